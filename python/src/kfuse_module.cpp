@@ -1,0 +1,223 @@
+// kfuse._C: the nanobind binding of libkfuse. Tensors cross as DLPack (nb::ndarray accepts torch tensors and numpy
+// arrays); every check of device, dtype, layout and shape happens here or in the core and names the tensor.
+// No PyTorch header is included: the torch-facing layer is python/kfuse/*.py.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "kfuse/checkpoint.h"
+#include "kfuse/device.h"
+#include "kfuse/encoder_config.h"
+#include "kfuse/encoder_params.h"
+#include "kfuse/reference.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kfuse {
+namespace {
+
+using Array = nb::ndarray<>;
+using ConfigTuple = std::tuple<int, int, std::vector<int>>;
+
+EncoderConfig to_config(const ConfigTuple& t) {
+  EncoderConfig c{std::get<0>(t), std::get<1>(t), std::get<2>(t)};
+  c.validate();
+  return c;
+}
+ConfigTuple from_config(const EncoderConfig& c) { return {c.in_channels, c.base_planes, c.layers}; }
+
+std::string dtype_str(nb::dlpack::dtype d) {
+  const char* kind = d.code == uint8_t(nb::dlpack::dtype_code::Float)    ? "float"
+                     : d.code == uint8_t(nb::dlpack::dtype_code::Int)    ? "int"
+                     : d.code == uint8_t(nb::dlpack::dtype_code::UInt)   ? "uint"
+                     : d.code == uint8_t(nb::dlpack::dtype_code::Bfloat) ? "bfloat"
+                     : d.code == uint8_t(nb::dlpack::dtype_code::Bool)   ? "bool"
+                                                                         : "other";
+  return std::string(kind) + std::to_string(d.bits);
+}
+
+Shape shape_of(const Array& a) {
+  Shape s(a.ndim());
+  for (size_t i = 0; i < a.ndim(); ++i) s[i] = static_cast<int64_t>(a.shape(i));
+  return s;
+}
+
+bool is_c_contiguous(const Array& a) {
+  int64_t expected = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expected) return false;
+    expected *= static_cast<int64_t>(a.shape(i));
+  }
+  return true;
+}
+
+// Copies a CPU, C-contiguous array of dtype T into a HostTensor<T>; throws InvalidArgument naming `what`.
+template <class T>
+HostTensor<T> to_host(const Array& a, const std::string& what, const Shape* expected_shape = nullptr) {
+  KFUSE_CHECK(a.device_type() == nb::device::cpu::value, InvalidArgument, what,
+              " must be a CPU tensor for the CPU reference (got device type ", a.device_type(), ")");
+  KFUSE_CHECK(a.dtype() == nb::dtype<T>(), InvalidArgument, what, " has dtype ", dtype_str(a.dtype()), ", expected ",
+              sizeof(T) == 8 ? "float64" : "float32");
+  KFUSE_CHECK(is_c_contiguous(a), InvalidArgument, what,
+              " must be contiguous (row-major); call .contiguous() first");
+  const Shape s = shape_of(a);
+  if (expected_shape)
+    KFUSE_CHECK(s == *expected_shape, InvalidArgument, what, " has shape ", shape_str(s), ", expected ",
+                shape_str(*expected_shape));
+  HostTensor<T> t(s);
+  if (t.numel()) std::memcpy(t.data(), a.data(), sizeof(T) * static_cast<size_t>(t.numel()));
+  return t;
+}
+
+template <class T>
+nb::ndarray<nb::numpy, T> to_numpy(HostTensor<T>&& t) {
+  auto* owned = new HostTensor<T>(std::move(t));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<HostTensor<T>*>(p); });
+  std::vector<size_t> shape(owned->shape().begin(), owned->shape().end());
+  return nb::ndarray<nb::numpy, T>(owned->data(), shape.size(), shape.data(), owner);
+}
+
+template <class T>
+EncoderParams<T> to_params(const EncoderConfig& config, const std::vector<Array>& arrays) {
+  EncoderParams<T> p(config);
+  KFUSE_CHECK(arrays.size() == p.size(), InvalidArgument, "expected ", p.size(), " parameter tensors for ",
+              config.to_string(), ", got ", arrays.size());
+  for (size_t i = 0; i < p.size(); ++i)
+    p.at(i) = to_host<T>(arrays[i], "parameter '" + p.specs()[i].name + "'", &p.specs()[i].shape);
+  return p;
+}
+
+template <class T>
+std::vector<nb::ndarray<nb::numpy, T>> params_to_numpy(EncoderParams<T>&& p) {
+  std::vector<nb::ndarray<nb::numpy, T>> out;
+  for (size_t i = 0; i < p.size(); ++i) out.push_back(to_numpy(std::move(p.at(i))));
+  return out;
+}
+
+bool is_float64(const Array& x) { return x.dtype() == nb::dtype<double>(); }
+
+nb::object reference_forward_py(const ConfigTuple& cfg, const std::vector<Array>& params, const Array& x) {
+  const EncoderConfig config = to_config(cfg);
+  auto run = [&](auto tag) -> nb::object {
+    using T = decltype(tag);
+    EncoderParams<T> p = to_params<T>(config, params);
+    HostTensor<T> input = to_host<T>(x, "input");
+    HostTensor<T> y;
+    {
+      nb::gil_scoped_release release;
+      y = reference_forward(p, input);
+    }
+    return nb::cast(to_numpy(std::move(y)));
+  };
+  return is_float64(x) ? run(double{}) : run(float{});
+}
+
+nb::object reference_backward_py(const ConfigTuple& cfg, const std::vector<Array>& params, const Array& x,
+                                 const Array& grad_output, bool input_grad) {
+  const EncoderConfig config = to_config(cfg);
+  auto run = [&](auto tag) -> nb::object {
+    using T = decltype(tag);
+    EncoderParams<T> p = to_params<T>(config, params);
+    HostTensor<T> input = to_host<T>(x, "input");
+    const Shape out_shape = config.output_shape(input.shape());
+    HostTensor<T> dy = to_host<T>(grad_output, "grad_output", &out_shape);
+    ReferenceGradients<T> g{EncoderParams<T>(config), {}};
+    {
+      nb::gil_scoped_release release;
+      g = reference_backward(p, input, dy, input_grad);
+    }
+    nb::object gx = input_grad ? nb::cast(to_numpy(std::move(g.input))) : nb::none();
+    return nb::make_tuple(params_to_numpy(std::move(g.params)), gx);
+  };
+  return is_float64(x) ? run(double{}) : run(float{});
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> param_specs_py(const ConfigTuple& cfg) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const ParamSpec& s : to_config(cfg).parameter_specs()) out.emplace_back(s.name, s.shape);
+  return out;
+}
+
+}  // namespace
+}  // namespace kfuse
+
+NB_MODULE(_C, m) {
+  using namespace kfuse;
+  m.doc() = "kfuse C++ core (CPU reference, checkpoints, device queries, kernels)";
+
+  static nb::exception<CheckpointError> checkpoint_error(m, "CheckpointError", PyExc_ValueError);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const Unsupported& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what());
+    }
+  });
+
+  m.def("param_specs", &param_specs_py, "config"_a,
+        "[(name, shape)] of every parameter in bps-nav's state_dict order; config = (in_channels, base_planes, "
+        "layers)");
+  m.def("num_parameters", [](const ConfigTuple& c) { return to_config(c).num_parameters(); }, "config"_a);
+  m.def("output_shape", [](const ConfigTuple& c, const Shape& x) { return to_config(c).output_shape(x); },
+        "config"_a, "input_shape"_a);
+  m.def("infer_config",
+        [](const std::vector<std::pair<std::string, std::vector<int64_t>>>& specs) {
+          std::vector<ParamSpec> ps;
+          for (const auto& [n, s] : specs) ps.push_back({n, s});
+          return from_config(EncoderConfig::infer(ps));
+        },
+        "specs"_a, "The configuration of a state_dict given as [(name, shape)]");
+  m.def("default_params",
+        [](const ConfigTuple& c, uint64_t seed, bool perturbed) {
+          const EncoderConfig config = to_config(c);
+          return params_to_numpy(perturbed ? EncoderParams<float>::perturbed_init(config, seed)
+                                           : EncoderParams<float>::fixup_init(config, seed));
+        },
+        "config"_a, "seed"_a, "perturbed"_a = true,
+        "float32 parameters: bps-nav's FixUp init, plus (perturbed=True) the fixed perturbation of the embedded "
+        "default network");
+  m.def("reference_forward", &reference_forward_py, "config"_a, "params"_a, "x"_a,
+        "CPU reference forward (float32 or float64, C-contiguous NCHW); returns a numpy array");
+  m.def("reference_backward", &reference_backward_py, "config"_a, "params"_a, "x"_a, "grad_output"_a,
+        "input_grad"_a = true, "CPU reference backward: ([parameter gradients], input gradient or None)");
+  m.def("load_checkpoint",
+        [](const std::string& path, const std::string& prefix, std::optional<ConfigTuple> expect) {
+          LoadOptions o;
+          o.prefix = prefix;
+          if (expect) o.expect = to_config(*expect);
+          EncoderParams<float> p = load_encoder_checkpoint<float>(path, o);
+          ConfigTuple c = from_config(p.config());
+          return nb::make_tuple(c, params_to_numpy(std::move(p)));
+        },
+        "path"_a, "prefix"_a = "", "expect"_a = nb::none(),
+        "Loads an encoder checkpoint (safetensors): (config, [float32 parameters in param_specs order])");
+  m.def("save_checkpoint",
+        [](const std::string& path, const ConfigTuple& c, const std::vector<Array>& params) {
+          save_encoder_checkpoint(path, to_params<float>(to_config(c), params));
+        },
+        "path"_a, "config"_a, "params"_a, "Saves float32 parameters as an encoder checkpoint (safetensors)");
+
+  m.def("built_with_cuda", &built_with_cuda);
+  m.def("cuda_device_count", &cuda_device_count);
+  m.def("compiled_architectures", &compiled_architectures);
+  m.def("cuda_device_info", [](int i) {
+    const DeviceInfo d = cuda_device_info(i);
+    nb::dict r;
+    r["index"] = d.index;
+    r["name"] = d.name;
+    r["compute_capability"] = nb::make_tuple(d.major, d.minor);
+    r["sm_count"] = d.sm_count;
+    r["l2_bytes"] = d.l2_bytes;
+    r["memory_bytes"] = d.memory_bytes;
+    r["driver_version"] = d.driver_version;
+    r["runtime_version"] = d.runtime_version;
+    return r;
+  });
+}

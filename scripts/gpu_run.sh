@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine that has CUDA, PyTorch, nanobind, CMake and Ninja but no network (the device tool's H100):
+#   1. builds the Python extension for that machine's Python against the prebuilt libkfuse in .kfuse-dist/
+#      (made here by scripts/device_bundle.sh and carried), or builds everything when no bundle came along;
+#   2. runs the GPU test tier: the C++ GPU tests and pytest;
+#   3. runs the benchmark (`kfuse bench`, results under bench/results/<device>/);
+#   4. prints a short table last. Logs and results go to $OUT/kfuse-results.tgz when $OUT is set.
+# Usage: bash scripts/gpu_run.sh [--no-bench] [-- extra kfuse bench arguments]
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bench=1
+bench_args=()
+while (($#)); do
+  case "$1" in
+    --no-bench) bench=0 ;;
+    --) shift; bench_args=("$@"); break ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+py="${PYTHON:-python3}"
+logs="$root/build-gpu/logs"
+mkdir -p "$logs"
+declare -A status
+export PYTHONUNBUFFERED=1 PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
+export KFUSE_COMMIT="${KFUSE_COMMIT:-$(cat .kfuse-dist/COMMIT 2>/dev/null || echo unknown)}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader | tee "$logs/gpu.txt"
+
+# 1. build ---------------------------------------------------------------------------------------------------------
+t0=$SECONDS
+if [[ ! -f .kfuse-dist/lib/libkfuse.so ]]; then
+  echo "[gpu_run] no .kfuse-dist bundle: building libkfuse here"
+  cmake -S . -B build-gpu/full -G Ninja -DKFUSE_BUILD_PYTHON=OFF -DPython3_EXECUTABLE="$(command -v "$py")" \
+    ${KFUSE_CUTLASS_DIR:+-DKFUSE_CUTLASS_DIR="$KFUSE_CUTLASS_DIR"} >"$logs/build.log" 2>&1 &&
+    cmake --build build-gpu/full -j 16 >>"$logs/build.log" 2>&1 &&
+    cmake --install build-gpu/full --prefix .kfuse-dist >>"$logs/build.log" 2>&1 &&
+    mkdir -p .kfuse-dist/bin && cp build-gpu/full/tests/cpp/test_*_gpu .kfuse-dist/bin/ ||
+    { echo "[gpu_run] build failed:"; tail -30 "$logs/build.log"; exit 1; }
+fi
+export LD_LIBRARY_PATH="$root/.kfuse-dist/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if cmake -S python -B build-gpu/python -G Ninja -Dkfuse_DIR="$root/.kfuse-dist/lib/cmake/kfuse" \
+     -DPython_EXECUTABLE="$(command -v "$py")" >"$logs/build-python.log" 2>&1 &&
+   cmake --build build-gpu/python -j 16 >>"$logs/build-python.log" 2>&1; then
+  status[build]="ok ($((SECONDS - t0)) s)"
+else
+  echo "[gpu_run] Python extension build failed:"; tail -30 "$logs/build-python.log"; exit 1
+fi
+
+# 2. GPU tests -----------------------------------------------------------------------------------------------------
+for t in .kfuse-dist/bin/test_*_gpu; do
+  name=$(basename "$t")
+  if "$t" >"$logs/$name.log" 2>&1; then status[$name]="ok: $(grep -E '^\[  PASSED  \]' "$logs/$name.log")"
+  else status[$name]="FAILED"; grep -E 'FAILED|Failure|error' "$logs/$name.log" | head -20; fi
+  grep -E 'SKIPPED' "$logs/$name.log" | head -3
+done
+if "$py" -m pytest tests/python -q -p no:cacheprovider -rs >"$logs/pytest.log" 2>&1; then status[pytest]="ok: $(tail -1 "$logs/pytest.log")"
+else status[pytest]="FAILED: $(tail -1 "$logs/pytest.log")"; grep -E '^(FAILED|ERROR)' "$logs/pytest.log" | head -20; fi
+
+# 3. benchmark -----------------------------------------------------------------------------------------------------
+if ((bench)); then
+  if "$py" -m kfuse bench --out bench/results "${bench_args[@]}" 2>&1 | tee "$logs/bench.log"; then status[bench]="ok"
+  else status[bench]="FAILED"; fi
+fi
+
+if [[ -n "${OUT:-}" ]]; then
+  tar czf "$OUT/kfuse-results.tgz" build-gpu/logs bench/results 2>/dev/null
+fi
+
+# 4. summary -------------------------------------------------------------------------------------------------------
+echo
+echo "== kfuse gpu_run summary ($(head -1 "$logs/gpu.txt"), commit $KFUSE_COMMIT) =="
+for k in "${!status[@]}"; do printf '%-28s %s\n' "$k" "${status[$k]}"; done | sort
+[[ "${status[*]}" != *FAILED* ]]

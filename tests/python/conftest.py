@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from kfuse import reference
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random weights with every residual branch non-trivial: conv2 non-zero, FixUp scalars away from 0 and 1.
+    (At bps-nav's init every branch is exactly zero, and a test that uses it proves almost nothing.)
+
+    Each FixUp bias is drawn within +-0.5 standard deviations of the activation it is added to (measured on a
+    random input), so that it shifts the ReLUs without killing them: activations shrink with depth, and a fixed
+    range would switch off whole layers of the deeper blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("conv2.weight"):
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * (2.0 / fan_in) ** 0.5 / 2)
+            elif name.endswith("fixup_scale"):
+                p.copy_(torch.rand(1, generator=gen, dtype=torch.float64) + 0.5)
+            elif name.endswith("se.excite.0.bias"):
+                # The SE bottleneck has planes/16 units fed by small means: positive biases keep them alive.
+                p.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.1 + 0.02)
+            elif "fixup_bias" not in name:
+                p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * p.detach().std().clamp_min(1e-2) * 0.1)
+
+        def bias(t: torch.Tensor) -> float:
+            return float((torch.rand(1, generator=gen, dtype=torch.float64) - 0.5) * t.std())
+
+        x = model.stem(torch.rand(2, model.in_channels, 64, 64, generator=gen).to(model.stem[1].weight.dtype))
+        for stage in model.layers:
+            for b in stage:
+                b.fixup_bias1a.fill_(bias(x))
+                c1 = b.conv1(x + b.fixup_bias1a)
+                b.fixup_bias1b.fill_(bias(c1))
+                h = torch.relu(c1 + b.fixup_bias1b)
+                b.fixup_bias2a.fill_(bias(h))
+                o = b.conv2(h + b.fixup_bias2a) * b.fixup_scale
+                b.fixup_bias2b.fill_(bias(o))
+                x = b(x)
+    return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Normwise relative error ||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture
+def make_reference():
+    def make(in_channels=3, base_planes=64, layers=(1, 1, 1, 1), seed=0, dtype=torch.float32):
+        torch.manual_seed(seed)
+        return randomize(reference.ResNetEncoder(in_channels, base_planes, layers), seed + 1).to(dtype)
+
+    return make
