@@ -95,6 +95,9 @@ class ResNetEncoder(nn.Module):
     and W multiples of 32 (four stages) -> (N, base_planes * 8, H/32, W/32).
     """
 
+    # torch.jit.script (a benchmark baseline) compiles properties unless told otherwise.
+    __jit_unused_properties__ = ["config"]
+
     def __init__(self, in_channels: int = 3, base_planes: int = 64, layers: Sequence[int] = (1, 1, 1, 1)):
         super().__init__()
         if in_channels < 1:

@@ -94,3 +94,11 @@ def test_trains_with_torch_optim(make_reference):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_plain_reference_is_scriptable_for_the_jit_baseline(make_reference):
+    ref = make_reference(in_channels=3, base_planes=16, seed=8).eval()
+    scripted = torch.jit.script(ref)
+    x = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(scripted(x), ref(x))
