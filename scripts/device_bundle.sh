@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Packs what the GPU machine needs from this machine's build into .kfuse-dist/ (git-ignored, carried by the device
-# tool): libkfuse and its CMake package, and the C++ GPU test binaries. The GPU machine then builds only the small
-# Python extension for its own Python (scripts/gpu_run.sh), instead of spending device time on CUTLASS.
+# Packs what the GPU machine needs from this machine's build into .kfuse-dist/ (git-ignored; name it in the device
+# tool's `carry`): the compiled CUTLASS kernel objects (the expensive part: ~60 s per sm90 instantiation), the
+# header-only JSON library, and the C++ GPU test binaries. scripts/gpu_run.sh then compiles only the plain C++ core
+# and the Python extension there, with that machine's compiler for that machine's Python.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/build.sh
 rm -rf .kfuse-dist
-cmake --install build --prefix .kfuse-dist >/dev/null
-mkdir -p .kfuse-dist/bin
-cp build/tests/cpp/test_*_gpu .kfuse-dist/bin/ 2>/dev/null || true
-git rev-parse --short HEAD > .kfuse-dist/COMMIT 2>/dev/null || echo unknown > .kfuse-dist/COMMIT
-git status --porcelain | grep -q . && sed -i 's/$/+dirty/' .kfuse-dist/COMMIT
-du -sh .kfuse-dist
+mkdir -p .kfuse-dist/objects .kfuse-dist/bin .kfuse-dist/include
+for dir in build/src/kernels/CMakeFiles/kfuse_kernels_*.dir; do
+  lib=$(basename "$dir" .dir)
+  mkdir -p ".kfuse-dist/objects/$lib"
+  find "$dir" -name '*.o' -exec cp {} ".kfuse-dist/objects/$lib/" \;
+done
+for inc in /usr/include /usr/local/include; do
+  [[ -f "$inc/nlohmann/json.hpp" ]] && { cp -r "$inc/nlohmann" .kfuse-dist/include/; break; }
+done
+cp build/tests/cpp/test_*_gpu .kfuse-dist/bin/
+{ git rev-parse --short HEAD 2>/dev/null || echo unknown; } | tr -d '\n' > .kfuse-dist/COMMIT
+if git status --porcelain --untracked-files=no | grep -q .; then echo -n "+dirty" >> .kfuse-dist/COMMIT; fi
+echo "[bundle] .kfuse-dist: $(du -sh .kfuse-dist | cut -f1), commit $(cat .kfuse-dist/COMMIT)"

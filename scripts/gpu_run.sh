@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine that has CUDA, PyTorch, nanobind, CMake and Ninja but no network (the device tool's H100):
-#   1. builds the Python extension for that machine's Python against the prebuilt libkfuse in .kfuse-dist/
-#      (made here by scripts/device_bundle.sh and carried), or builds everything when no bundle came along;
+#   1. builds libkfuse and the Python extension with that machine's compiler for its Python, linking the CUTLASS
+#      kernel objects prebuilt in .kfuse-dist/ (made by scripts/device_bundle.sh on the build machine, carried);
 #   2. runs the GPU test tier: the C++ GPU tests and pytest;
 #   3. runs the benchmark (`kfuse bench`, results under bench/results/<device>/);
 #   4. prints a short table last. Logs and results go to $OUT/kfuse-results.tgz when $OUT is set.
@@ -27,25 +27,22 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 export KFUSE_COMMIT="${KFUSE_COMMIT:-$(cat .kfuse-dist/COMMIT 2>/dev/null || echo unknown)}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader | tee "$logs/gpu.txt"
 
-# 1. build ---------------------------------------------------------------------------------------------------------
+# 1. build: the C++ core and the extension with this machine's compiler; the CUTLASS kernels come prebuilt -------
 t0=$SECONDS
-if [[ ! -f .kfuse-dist/lib/libkfuse.so ]]; then
-  echo "[gpu_run] no .kfuse-dist bundle: building libkfuse here"
-  cmake -S . -B build-gpu/full -G Ninja -DKFUSE_BUILD_PYTHON=OFF -DPython3_EXECUTABLE="$(command -v "$py")" \
-    ${KFUSE_CUTLASS_DIR:+-DKFUSE_CUTLASS_DIR="$KFUSE_CUTLASS_DIR"} >"$logs/build.log" 2>&1 &&
-    cmake --build build-gpu/full -j 16 >>"$logs/build.log" 2>&1 &&
-    cmake --install build-gpu/full --prefix .kfuse-dist >>"$logs/build.log" 2>&1 &&
-    mkdir -p .kfuse-dist/bin && cp build-gpu/full/tests/cpp/test_*_gpu .kfuse-dist/bin/ ||
-    { echo "[gpu_run] build failed:"; tail -30 "$logs/build.log"; exit 1; }
+if [[ ! -d .kfuse-dist/objects ]]; then
+  echo "[gpu_run] no .kfuse-dist bundle: run scripts/device_bundle.sh on the build machine and carry .kfuse-dist"
+  exit 1
 fi
-export LD_LIBRARY_PATH="$root/.kfuse-dist/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-if cmake -S python -B build-gpu/python -G Ninja -Dkfuse_DIR="$root/.kfuse-dist/lib/cmake/kfuse" \
-     -DPython_EXECUTABLE="$(command -v "$py")" >"$logs/build-python.log" 2>&1 &&
-   cmake --build build-gpu/python -j 16 >>"$logs/build-python.log" 2>&1; then
+if cmake -S . -B build-gpu/full -G Ninja -DKFUSE_KERNEL_OBJECTS_DIR="$root/.kfuse-dist/objects" \
+     -DKFUSE_JSON_INCLUDE_DIR="$root/.kfuse-dist/include" -DKFUSE_BUILD_TESTS=OFF -DKFUSE_BUILD_EXAMPLES=OFF \
+     -DPython_EXECUTABLE="$(command -v "$py")" >"$logs/build.log" 2>&1 &&
+   cmake --build build-gpu/full -j 16 >>"$logs/build.log" 2>&1; then
   status[build]="ok ($((SECONDS - t0)) s)"
 else
-  echo "[gpu_run] Python extension build failed:"; tail -30 "$logs/build-python.log"; exit 1
+  echo "[gpu_run] build failed:"; tail -30 "$logs/build.log"; exit 1
 fi
+# The C++ GPU test binaries came prebuilt; they find this libkfuse here.
+export LD_LIBRARY_PATH="$root/build-gpu/full/src${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 # 2. GPU tests -----------------------------------------------------------------------------------------------------
 for t in .kfuse-dist/bin/test_*_gpu; do

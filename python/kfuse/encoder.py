@@ -28,18 +28,18 @@ class _ReferenceFunction(torch.autograd.Function):
     def forward(ctx, config, x, *params):
         ctx.config = config
         ctx.save_for_backward(x, *params)
-        y = _C.reference_forward(config, [p.detach() for p in params], x.detach())
-        return torch.from_numpy(y)
+        y = x.new_empty(_C.output_shape(config, list(x.shape)))
+        _C.reference_forward(config, [p.detach() for p in params], x.detach(), y)
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):
         x, *params = ctx.saved_tensors
-        grads, grad_x = _C.reference_backward(
-            ctx.config, [p.detach() for p in params], x.detach(), grad_output.detach().contiguous(),
-            input_grad=ctx.needs_input_grad[1])
-        grad_x = torch.from_numpy(grad_x) if grad_x is not None else None
-        return (None, grad_x, *[torch.from_numpy(g) if need else None
-                                for g, need in zip(grads, ctx.needs_input_grad[2:])])
+        grads = [torch.empty_like(p) for p in params]
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[1] else None
+        _C.reference_backward(ctx.config, [p.detach() for p in params], x.detach(),
+                              grad_output.detach().contiguous(), grads, grad_x)
+        return (None, grad_x, *[g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:])])
 
 
 class ResNetEncoder(reference.ResNetEncoder):
@@ -73,11 +73,10 @@ class ResNetEncoder(reference.ResNetEncoder):
     def from_checkpoint(cls, path: str | os.PathLike, prefix: str = "") -> "ResNetEncoder":
         """Loads a safetensors checkpoint of bps-nav's state_dict (keys optionally under ``prefix``). The network
         is inferred from the tensors; missing, extra, misshapen or mistyped tensors raise kfuse.CheckpointError."""
-        config, params = _C.load_checkpoint(os.fspath(path), prefix)
-        enc = cls(*config)
+        path = os.fspath(path)
+        enc = cls(*_C.checkpoint_config(path, prefix))
         with torch.no_grad():
-            for p, value in zip(_param_list(enc, enc.config), params):
-                p.copy_(torch.from_numpy(value))
+            _C.load_checkpoint(path, prefix, enc.config, _param_list(enc, enc.config))
         return enc
 
     @classmethod
@@ -86,8 +85,7 @@ class ResNetEncoder(reference.ResNetEncoder):
         perturbation (non-zero conv2, FixUp scalars away from 0/1), so that no residual branch is trivially zero."""
         enc = cls(in_channels)
         with torch.no_grad():
-            for p, value in zip(_param_list(enc, enc.config), _C.default_params(enc.config, seed)):
-                p.copy_(torch.from_numpy(value))
+            _C.default_params(enc.config, seed, True, _param_list(enc, enc.config))
         return enc
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:

@@ -74,36 +74,43 @@ HostTensor<T> to_host(const Array& a, const std::string& what, const Shape* expe
   return t;
 }
 
+// Writes t into a caller-allocated CPU tensor of the same dtype and shape (outputs are allocated by the caller, as
+// they will be on the GPU, where they live on the caller's device and stream).
 template <class T>
-nb::ndarray<nb::numpy, T> to_numpy(HostTensor<T>&& t) {
-  auto* owned = new HostTensor<T>(std::move(t));
-  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<HostTensor<T>*>(p); });
-  std::vector<size_t> shape(owned->shape().begin(), owned->shape().end());
-  return nb::ndarray<nb::numpy, T>(owned->data(), shape.size(), shape.data(), owner);
+void write_to(const HostTensor<T>& t, const Array& out, const std::string& what) {
+  KFUSE_CHECK(out.device_type() == nb::device::cpu::value, InvalidArgument, what, " must be a CPU tensor");
+  KFUSE_CHECK(out.dtype() == nb::dtype<T>(), InvalidArgument, what, " has dtype ", dtype_str(out.dtype()),
+              ", expected ", sizeof(T) == 8 ? "float64" : "float32");
+  KFUSE_CHECK(is_c_contiguous(out), InvalidArgument, what, " must be contiguous (row-major)");
+  KFUSE_CHECK(shape_of(out) == t.shape(), InvalidArgument, what, " has shape ", shape_str(shape_of(out)),
+              ", expected ", shape_str(t.shape()));
+  if (t.numel()) std::memcpy(out.data(), t.data(), sizeof(T) * static_cast<size_t>(t.numel()));
 }
 
 template <class T>
-EncoderParams<T> to_params(const EncoderConfig& config, const std::vector<Array>& arrays) {
+EncoderParams<T> to_params(const EncoderConfig& config, const std::vector<Array>& arrays,
+                           const std::string& what = "parameter") {
   EncoderParams<T> p(config);
-  KFUSE_CHECK(arrays.size() == p.size(), InvalidArgument, "expected ", p.size(), " parameter tensors for ",
+  KFUSE_CHECK(arrays.size() == p.size(), InvalidArgument, "expected ", p.size(), " ", what, " tensors for ",
               config.to_string(), ", got ", arrays.size());
   for (size_t i = 0; i < p.size(); ++i)
-    p.at(i) = to_host<T>(arrays[i], "parameter '" + p.specs()[i].name + "'", &p.specs()[i].shape);
+    p.at(i) = to_host<T>(arrays[i], what + " '" + p.specs()[i].name + "'", &p.specs()[i].shape);
   return p;
 }
 
 template <class T>
-std::vector<nb::ndarray<nb::numpy, T>> params_to_numpy(EncoderParams<T>&& p) {
-  std::vector<nb::ndarray<nb::numpy, T>> out;
-  for (size_t i = 0; i < p.size(); ++i) out.push_back(to_numpy(std::move(p.at(i))));
-  return out;
+void write_params(const EncoderParams<T>& p, const std::vector<Array>& out, const std::string& what) {
+  KFUSE_CHECK(out.size() == p.size(), InvalidArgument, "expected ", p.size(), " ", what, " tensors for ",
+              p.config().to_string(), ", got ", out.size());
+  for (size_t i = 0; i < p.size(); ++i) write_to(p.at(i), out[i], what + " '" + p.specs()[i].name + "'");
 }
 
 bool is_float64(const Array& x) { return x.dtype() == nb::dtype<double>(); }
 
-nb::object reference_forward_py(const ConfigTuple& cfg, const std::vector<Array>& params, const Array& x) {
+void reference_forward_py(const ConfigTuple& cfg, const std::vector<Array>& params, const Array& x,
+                          const Array& out) {
   const EncoderConfig config = to_config(cfg);
-  auto run = [&](auto tag) -> nb::object {
+  auto run = [&](auto tag) {
     using T = decltype(tag);
     EncoderParams<T> p = to_params<T>(config, params);
     HostTensor<T> input = to_host<T>(x, "input");
@@ -112,15 +119,16 @@ nb::object reference_forward_py(const ConfigTuple& cfg, const std::vector<Array>
       nb::gil_scoped_release release;
       y = reference_forward(p, input);
     }
-    return nb::cast(to_numpy(std::move(y)));
+    write_to(y, out, "output");
   };
-  return is_float64(x) ? run(double{}) : run(float{});
+  is_float64(x) ? run(double{}) : run(float{});
 }
 
-nb::object reference_backward_py(const ConfigTuple& cfg, const std::vector<Array>& params, const Array& x,
-                                 const Array& grad_output, bool input_grad) {
+void reference_backward_py(const ConfigTuple& cfg, const std::vector<Array>& params, const Array& x,
+                           const Array& grad_output, const std::vector<Array>& grad_params,
+                           std::optional<Array> grad_input) {
   const EncoderConfig config = to_config(cfg);
-  auto run = [&](auto tag) -> nb::object {
+  auto run = [&](auto tag) {
     using T = decltype(tag);
     EncoderParams<T> p = to_params<T>(config, params);
     HostTensor<T> input = to_host<T>(x, "input");
@@ -129,12 +137,12 @@ nb::object reference_backward_py(const ConfigTuple& cfg, const std::vector<Array
     ReferenceGradients<T> g{EncoderParams<T>(config), {}};
     {
       nb::gil_scoped_release release;
-      g = reference_backward(p, input, dy, input_grad);
+      g = reference_backward(p, input, dy, grad_input.has_value());
     }
-    nb::object gx = input_grad ? nb::cast(to_numpy(std::move(g.input))) : nb::none();
-    return nb::make_tuple(params_to_numpy(std::move(g.params)), gx);
+    write_params(g.params, grad_params, "parameter gradient");
+    if (grad_input) write_to(g.input, *grad_input, "input gradient");
   };
-  return is_float64(x) ? run(double{}) : run(float{});
+  is_float64(x) ? run(double{}) : run(float{});
 }
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> param_specs_py(const ConfigTuple& cfg) {
@@ -175,29 +183,37 @@ NB_MODULE(_C, m) {
         },
         "specs"_a, "The configuration of a state_dict given as [(name, shape)]");
   m.def("default_params",
-        [](const ConfigTuple& c, uint64_t seed, bool perturbed) {
+        [](const ConfigTuple& c, uint64_t seed, bool perturbed, const std::vector<Array>& out) {
           const EncoderConfig config = to_config(c);
-          return params_to_numpy(perturbed ? EncoderParams<float>::perturbed_init(config, seed)
-                                           : EncoderParams<float>::fixup_init(config, seed));
+          write_params(perturbed ? EncoderParams<float>::perturbed_init(config, seed)
+                                 : EncoderParams<float>::fixup_init(config, seed),
+                       out, "parameter");
         },
-        "config"_a, "seed"_a, "perturbed"_a = true,
-        "float32 parameters: bps-nav's FixUp init, plus (perturbed=True) the fixed perturbation of the embedded "
-        "default network");
-  m.def("reference_forward", &reference_forward_py, "config"_a, "params"_a, "x"_a,
-        "CPU reference forward (float32 or float64, C-contiguous NCHW); returns a numpy array");
+        "config"_a, "seed"_a, "perturbed"_a, "out"_a,
+        "Writes float32 parameters into `out`: bps-nav's FixUp init, plus (perturbed=True) the fixed perturbation "
+        "of the embedded default network");
+  m.def("reference_forward", &reference_forward_py, "config"_a, "params"_a, "x"_a, "out"_a,
+        "CPU reference forward into `out` (float32 or float64, C-contiguous NCHW)");
   m.def("reference_backward", &reference_backward_py, "config"_a, "params"_a, "x"_a, "grad_output"_a,
-        "input_grad"_a = true, "CPU reference backward: ([parameter gradients], input gradient or None)");
-  m.def("load_checkpoint",
-        [](const std::string& path, const std::string& prefix, std::optional<ConfigTuple> expect) {
+        "grad_params"_a, "grad_input"_a = nb::none(),
+        "CPU reference backward into `grad_params` (and `grad_input` when given)");
+  m.def("checkpoint_config",
+        [](const std::string& path, const std::string& prefix) {
           LoadOptions o;
           o.prefix = prefix;
-          if (expect) o.expect = to_config(*expect);
-          EncoderParams<float> p = load_encoder_checkpoint<float>(path, o);
-          ConfigTuple c = from_config(p.config());
-          return nb::make_tuple(c, params_to_numpy(std::move(p)));
+          return from_config(load_encoder_checkpoint<float>(path, o).config());
         },
-        "path"_a, "prefix"_a = "", "expect"_a = nb::none(),
-        "Loads an encoder checkpoint (safetensors): (config, [float32 parameters in param_specs order])");
+        "path"_a, "prefix"_a = "", "The network an encoder checkpoint (safetensors) describes");
+  m.def("load_checkpoint",
+        [](const std::string& path, const std::string& prefix, const ConfigTuple& expect,
+           const std::vector<Array>& out) {
+          LoadOptions o;
+          o.prefix = prefix;
+          o.expect = to_config(expect);
+          write_params(load_encoder_checkpoint<float>(path, o), out, "parameter");
+        },
+        "path"_a, "prefix"_a, "config"_a, "out"_a,
+        "Loads an encoder checkpoint of network `config` into float32 tensors `out` (param_specs order)");
   m.def("save_checkpoint",
         [](const std::string& path, const ConfigTuple& c, const std::vector<Array>& params) {
           save_encoder_checkpoint(path, to_params<float>(to_config(c), params));

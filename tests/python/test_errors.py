@@ -59,19 +59,28 @@ def _params(dtype=torch.float32):
 def test_low_level_api_names_the_offending_tensor():
     params = _params()
     x = torch.rand(1, 3, 32, 32)
-    _C.reference_forward(CFG, params, x)  # well-formed call works
+    out = torch.full((1, 128, 1, 1), float("nan"))
+    _C.reference_forward(CFG, params, x, out)  # well-formed call works and writes every element
+    assert not out.isnan().any()
     with pytest.raises(ValueError, match="contiguous"):
-        _C.reference_forward(CFG, params, x.transpose(2, 3))
+        _C.reference_forward(CFG, params, x.transpose(2, 3), out)
     bad = list(params)
     bad[3] = torch.rand(2)
     with pytest.raises(ValueError, match=r"parameter 'layers.0.0.fixup_bias2a' has shape \[2\], expected \[1\]"):
-        _C.reference_forward(CFG, bad, x)
+        _C.reference_forward(CFG, bad, x, out)
     with pytest.raises(ValueError, match="int32"):
-        _C.reference_forward(CFG, params, x.to(torch.int32))
+        _C.reference_forward(CFG, params, x.to(torch.int32), out)
     with pytest.raises(ValueError, match="expected 48 parameter tensors"):
-        _C.reference_forward(CFG, params[:-1], x)
+        _C.reference_forward(CFG, params[:-1], x, out)
+    with pytest.raises(ValueError, match=r"output has shape \[1, 128, 2, 1\], expected \[1, 128, 1, 1\]"):
+        _C.reference_forward(CFG, params, x, torch.empty(1, 128, 2, 1))
+    with pytest.raises(ValueError, match="output must be contiguous"):
+        _C.reference_forward(CFG, params, x, torch.empty(1, 128, 1, 2)[..., :1])
+    grads = [torch.empty_like(p) for p in params]
     with pytest.raises(ValueError, match="grad_output has shape"):
-        _C.reference_backward(CFG, params, x, torch.rand(1, 128, 2, 2))
+        _C.reference_backward(CFG, params, x, torch.rand(1, 128, 2, 2), grads)
+    with pytest.raises(ValueError, match="expected 48 parameter gradient tensors"):
+        _C.reference_backward(CFG, params, x, torch.rand(1, 128, 1, 1), grads[:3])
     with pytest.raises(ValueError, match="base_planes"):
         _C.param_specs((3, 8, (1, 1, 1, 1)))
 
