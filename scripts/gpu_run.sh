@@ -33,7 +33,12 @@ if [[ ! -d .kfuse-dist/objects ]]; then
   echo "[gpu_run] no .kfuse-dist bundle: run scripts/device_bundle.sh on the build machine and carry .kfuse-dist"
   exit 1
 fi
-if cmake -S . -B build-gpu/full -G Ninja -DKFUSE_KERNEL_OBJECTS_DIR="$root/.kfuse-dist/objects" \
+# The image's default CXX (/opt/gcc/bin/g++) is a wrapper that links libstdc++ statically; inside a Python process
+# that already holds the shared libstdc++ (through torch) the two copies' global state clash (std::regex and
+# iostreams crashed). The distribution's g++ links it dynamically.
+compiler=()
+if [[ -x /usr/bin/g++ ]]; then compiler=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++); fi
+if cmake -S . -B build-gpu/full -G Ninja "${compiler[@]}" -DKFUSE_KERNEL_OBJECTS_DIR="$root/.kfuse-dist/objects" \
      -DKFUSE_JSON_INCLUDE_DIR="$root/.kfuse-dist/include" -DKFUSE_BUILD_TESTS=OFF -DKFUSE_BUILD_EXAMPLES=OFF \
      -DPython_EXECUTABLE="$(command -v "$py")" >"$logs/build.log" 2>&1 &&
    cmake --build build-gpu/full -j 16 >>"$logs/build.log" 2>&1; then
