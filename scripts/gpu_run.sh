@@ -38,7 +38,7 @@ fi
 # iostreams crashed). The distribution's g++ links it dynamically.
 compiler=()
 if [[ -x /usr/bin/g++ ]]; then compiler=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++); fi
-if cmake -S . -B build-gpu/full -G Ninja "${compiler[@]}" -DKFUSE_KERNEL_OBJECTS_DIR="$root/.kfuse-dist/objects" \
+if cmake --fresh -S . -B build-gpu/full -G Ninja "${compiler[@]}" -DKFUSE_KERNEL_OBJECTS_DIR="$root/.kfuse-dist/objects" \
      -DKFUSE_JSON_INCLUDE_DIR="$root/.kfuse-dist/include" -DKFUSE_BUILD_TESTS=OFF -DKFUSE_BUILD_EXAMPLES=OFF \
      -DPython_EXECUTABLE="$(command -v "$py")" >"$logs/build.log" 2>&1 &&
    cmake --build build-gpu/full -j 16 >>"$logs/build.log" 2>&1; then
