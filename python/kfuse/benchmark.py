@@ -7,6 +7,7 @@ checksum), so that the main job does something meaningful on any machine.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -262,6 +263,14 @@ def run_gpu(args) -> int:
                 rows.append(r)
                 print(f"[bench] C={c} {name}: latency {r['latency_ms']:.4f} ms, back-to-back "
                       f"{r['back_to_back_ms']:.4f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
+            # Leave nothing of this workload's compiled graphs and CUDA graphs behind for the next one: a manual
+            # CUDA graph captured while torch.compile's cudagraph trees of an earlier model were alive hit an illegal
+            # address on the H100 (each alone ran clean).
+            del impls, fn
+            torch.compiler.reset()
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         meta = dict(meta_dev, channels=c, workload="resnet-infer", input="NCHW/channels_last fp16, 64x64")
         path = out_dir / f"resnet-infer-c{c}.json"
         write_results(path, meta, rows, f"resnet-infer C={c}")
