@@ -2,18 +2,20 @@
 # Runs on a GPU machine that has CUDA, PyTorch, nanobind, CMake and Ninja but no network (the device tool's H100):
 #   1. builds libkfuse and the Python extension with that machine's compiler for its Python, linking the CUTLASS
 #      kernel objects prebuilt in .kfuse-dist/ (made by scripts/device_bundle.sh on the build machine, carried);
-#   2. runs the GPU test tier: the C++ GPU tests and pytest;
+#   2. runs the GPU test tier: the C++ GPU tests, pytest, the C++ example, compute-sanitizer memcheck/racecheck;
 #   3. runs the benchmark (`kfuse bench`, results under bench/results/<device>/);
 #   4. prints a short table last. Logs and results go to $OUT/kfuse-results.tgz when $OUT is set.
-# Usage: bash scripts/gpu_run.sh [--no-bench] [-- extra kfuse bench arguments]
+# Usage: bash scripts/gpu_run.sh [--no-bench] [--no-sanitize] [-- extra kfuse bench arguments]
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bench=1
+sanitize=1
 bench_args=()
 while (($#)); do
   case "$1" in
     --no-bench) bench=0 ;;
+    --no-sanitize) sanitize=0 ;;
     --) shift; bench_args=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -39,7 +41,7 @@ fi
 compiler=()
 if [[ -x /usr/bin/g++ ]]; then compiler=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++); fi
 if cmake --fresh -S . -B build-gpu/full -G Ninja "${compiler[@]}" -DKFUSE_KERNEL_OBJECTS_DIR="$root/.kfuse-dist/objects" \
-     -DKFUSE_JSON_INCLUDE_DIR="$root/.kfuse-dist/include" -DKFUSE_BUILD_TESTS=OFF -DKFUSE_BUILD_EXAMPLES=OFF \
+     -DKFUSE_JSON_INCLUDE_DIR="$root/.kfuse-dist/include" -DKFUSE_BUILD_TESTS=OFF \
      -DPython_EXECUTABLE="$(command -v "$py")" >"$logs/build.log" 2>&1 &&
    cmake --build build-gpu/full -j 16 >>"$logs/build.log" 2>&1; then
   status[build]="ok ($((SECONDS - t0)) s)"
@@ -58,6 +60,19 @@ for t in .kfuse-dist/bin/test_*_gpu; do
 done
 if "$py" -m pytest tests/python -q -p no:cacheprovider -rs >"$logs/pytest.log" 2>&1; then status[pytest]="ok: $(tail -1 "$logs/pytest.log")"
 else status[pytest]="FAILED: $(tail -1 "$logs/pytest.log")"; grep -E '^(FAILED|ERROR)' "$logs/pytest.log" | head -20; fi
+
+# The C++ example (checkpoint-free default network) and compute-sanitizer on it: memcheck and racecheck of every
+# kernel of the fused forward, at a small batch.
+example=build-gpu/full/examples/encoder_inference
+if "$example" "" 7 >"$logs/example.log" 2>&1; then status[example]="ok: $(tail -1 "$logs/example.log")"
+else status[example]="FAILED"; tail -5 "$logs/example.log"; fi
+if ((sanitize)) && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    if compute-sanitizer --tool "$tool" --error-exitcode 1 "$example" "" 2 >"$logs/sanitizer-$tool.log" 2>&1; then
+      status[sanitizer-$tool]="ok: $(grep -m1 'ERROR SUMMARY' "$logs/sanitizer-$tool.log")"
+    else status[sanitizer-$tool]="FAILED"; grep -m5 -E 'ERROR|Invalid|hazard' "$logs/sanitizer-$tool.log"; fi
+  done
+fi
 
 # 3. benchmark -----------------------------------------------------------------------------------------------------
 if ((bench)); then

@@ -102,14 +102,45 @@ class ResNetEncoder(reference.ResNetEncoder):
         if x.device != p.device:
             raise ValueError(f"input is on {x.device} but the encoder's parameters are on {p.device}")
 
+    def set_input_normalization(self, mean=None, var=None) -> None:
+        """Normalization of uint8 renderer input (N, H, W, C or C+1): v = (x / 255 - mean) * rsqrt(max(var, 1e-2))
+        per channel, folded into the stem's input read on the GPU (exact). None restores plain x / 255."""
+        if (mean is None) != (var is None):
+            raise ValueError("give both mean and var, or neither")
+        if mean is not None:
+            mean = torch.as_tensor(mean, dtype=torch.float64).flatten().cpu()
+            var = torch.as_tensor(var, dtype=torch.float64).flatten().cpu()
+            if mean.numel() != self.in_channels or var.numel() != self.in_channels:
+                raise ValueError(f"mean and var need {self.in_channels} values each, got {mean.numel()} and {var.numel()}")
+        self._input_norm = None if mean is None else (mean, var)
+
+    def _uint8_affine(self) -> tuple[list[float], list[float]]:
+        norm = getattr(self, "_input_norm", None)
+        if norm is None:
+            return [1 / 255] * self.in_channels, [0.0] * self.in_channels
+        mean, var = norm
+        inv = torch.rsqrt(var.clamp_min(1e-2))
+        return (inv / 255).tolist(), (-mean * inv).tolist()
+
+    def _as_nchw(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 renderer input (N, H, W, C or C+1 with alpha) -> an (N, C, H, W) view; other inputs as they are."""
+        if x.dtype != torch.uint8:
+            return x
+        if x.dim() != 4 or x.shape[-1] not in (self.in_channels, self.in_channels + 1):
+            raise ValueError(f"uint8 input is read as the renderer's NHWC images (N, H, W, {self.in_channels} or "
+                             f"{self.in_channels + 1}); got shape {tuple(x.shape)}")
+        return x.permute(0, 3, 1, 2)[:, : self.in_channels]
+
+    # -- forward -----------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"ResNetEncoder expects a torch.Tensor, got {type(x).__name__}")
+        x = self._as_nchw(x)
         self._check_input(x)
         if x.device.type == "cuda":
-            raise NotImplementedError(
-                "kfuse.ResNetEncoder has no CUDA path yet (the fused GPU kernels are being built); run it on CPU "
-                "tensors (C++ reference) or use kfuse.reference.ResNetEncoder for a plain PyTorch model on the GPU")
+            return self._forward_cuda(x)
         if x.device.type != "cpu":
-            raise NotImplementedError(f"kfuse.ResNetEncoder runs on CPU (and, later, CUDA) tensors, not {x.device}")
+            raise NotImplementedError(f"kfuse.ResNetEncoder runs on CPU and CUDA tensors, not {x.device}")
         params = _param_list(self, self.config)
         dtype = params[0].dtype
         if dtype not in (torch.float32, torch.float64):
@@ -117,6 +148,51 @@ class ResNetEncoder(reference.ResNetEncoder):
                              "(call .float() or .double())")
         if any(p.dtype != dtype for p in params):
             raise ValueError("the encoder's parameters have mixed dtypes; call .float() or .double()")
+        if x.dtype == torch.uint8:
+            scale, shift = self._uint8_affine()
+            x = x.to(dtype) * torch.tensor(scale, dtype=dtype).view(1, -1, 1, 1) + \
+                torch.tensor(shift, dtype=dtype).view(1, -1, 1, 1)
         if x.dtype != dtype:
             raise ValueError(f"input dtype {x.dtype} does not match the parameters' dtype {dtype}")
         return _ReferenceFunction.apply(self.config, x.contiguous(), *params)
+
+    # -- CUDA inference ------------------------------------------------------------------------------------------
+    def _gpu_precision(self) -> torch.dtype:
+        """bfloat16 modules run in bfloat16; float16 and float32 modules in float16 (like autocast)."""
+        return torch.bfloat16 if self.stem[1].weight.dtype == torch.bfloat16 else torch.float16
+
+    def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        params = _param_list(self, self.config)
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            raise NotImplementedError(
+                "kfuse.ResNetEncoder's CUDA path is inference-only for now (training lands with the fused backward); "
+                "run inference under torch.no_grad() or torch.inference_mode()")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
+            raise ValueError(f"CUDA input must be float32, float16, bfloat16 or uint8, got {x.dtype}")
+        precision = self._gpu_precision()
+        entry = self._gpu_engine(x.device, precision, params)
+        gpu = entry[0]
+        affine = self._uint8_affine() if x.dtype == torch.uint8 else ([], [])
+        if entry[2] != affine:  # changing it recaptures the CUDA graphs: keep it while the input kind stays
+            gpu.set_input_affine(*affine)
+            entry[2] = affine
+        out_dtype = torch.float32 if self.stem[1].weight.dtype == torch.float32 else precision
+        y = torch.empty(_C.output_shape(self.config, list(x.shape)), dtype=out_dtype, device=x.device)
+        gpu.forward(x, y, torch.cuda.current_stream(x.device).cuda_stream)
+        return y
+
+    def _gpu_engine(self, device: torch.device, precision: torch.dtype, params: list[torch.Tensor]):
+        """[engine, weight stamp, input affine] for (device, precision): a cached _C.EncoderGpu whose weights are
+        re-packed whenever a parameter changed (new storage or an in-place update)."""
+        key = (device.index, precision)
+        engines = self.__dict__.setdefault("_gpu_engines", {})
+        stamp = tuple((p.data_ptr(), p._version) for p in params)
+        entry = engines.get(key)
+        if entry is None:
+            name = "float16" if precision == torch.float16 else "bfloat16"
+            entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0), None, ([], [])]
+        if entry[1] != stamp:
+            with torch.no_grad():
+                entry[0].set_weights([p.detach().float().cpu().contiguous() for p in params])
+            entry[1] = stamp
+        return entry

@@ -12,6 +12,9 @@
 #include "kfuse/checkpoint.h"
 #include "kfuse/device.h"
 #include "kfuse/encoder_config.h"
+#if KFUSE_WITH_CUDA
+#include "kfuse/encoder_gpu.h"
+#endif
 #include "kfuse/encoder_params.h"
 #include "kfuse/reference.h"
 
@@ -145,6 +148,26 @@ void reference_backward_py(const ConfigTuple& cfg, const std::vector<Array>& par
   is_float64(x) ? run(double{}) : run(float{});
 }
 
+#if KFUSE_WITH_CUDA
+// A CUDA tensor (any strides) as the core's DeviceTensorView.
+DeviceTensorView to_view(const Array& a, const std::string& what) {
+  KFUSE_CHECK(a.device_type() == nb::device::cuda::value, InvalidArgument, what,
+              " must be a CUDA tensor (got device type ", a.device_type(), ")");
+  DeviceTensorView v;
+  v.data = a.data();
+  v.device = a.device_id();
+  const auto d = a.dtype();
+  if (d == nb::dtype<float>()) v.dtype = DType::F32;
+  else if (d.code == uint8_t(nb::dlpack::dtype_code::Float) && d.bits == 16) v.dtype = DType::F16;
+  else if (d.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && d.bits == 16) v.dtype = DType::BF16;
+  else if (d == nb::dtype<uint8_t>()) v.dtype = DType::U8;
+  else throw InvalidArgument(what + " has dtype " + dtype_str(d) + ", expected float32, float16, bfloat16 or uint8");
+  v.shape = shape_of(a);
+  for (size_t i = 0; i < a.ndim(); ++i) v.strides.push_back(a.stride(i));
+  return v;
+}
+#endif
+
 std::vector<std::pair<std::string, std::vector<int64_t>>> param_specs_py(const ConfigTuple& cfg) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
   for (const ParamSpec& s : to_config(cfg).parameter_specs()) out.emplace_back(s.name, s.shape);
@@ -219,6 +242,35 @@ NB_MODULE(_C, m) {
           save_encoder_checkpoint(path, to_params<float>(to_config(c), params));
         },
         "path"_a, "config"_a, "params"_a, "Saves float32 parameters as an encoder checkpoint (safetensors)");
+
+#if KFUSE_WITH_CUDA
+  nb::class_<EncoderGpu>(m, "EncoderGpu",
+                         "The fused CUDA inference path of one encoder on one device (weights, activations, graphs)")
+      .def("__init__",
+           [](EncoderGpu* self, const ConfigTuple& c, const std::string& precision, int device) {
+             KFUSE_CHECK(precision == "float16" || precision == "bfloat16", InvalidArgument,
+                         "precision must be 'float16' or 'bfloat16', got '", precision, "'");
+             new (self) EncoderGpu(to_config(c), precision == "float16" ? GpuPrecision::kFloat16
+                                                                        : GpuPrecision::kBFloat16,
+                                   device);
+           },
+           "config"_a, "precision"_a, "device"_a)
+      .def("set_weights",
+           [](EncoderGpu& e, const std::vector<Array>& params) {
+             e.set_weights(to_params<float>(e.config(), params));
+           },
+           "params"_a, "float32 CPU tensors in param_specs order")
+      .def("set_input_affine", &EncoderGpu::set_input_affine, "scale"_a, "shift"_a)
+      .def("forward",
+           [](EncoderGpu& e, const Array& x, const Array& y, uintptr_t stream) {
+             const DeviceTensorView xv = to_view(x, "input"), yv = to_view(y, "output");
+             nb::gil_scoped_release release;
+             e.forward(xv, yv, reinterpret_cast<cudaStream_t>(stream));
+           },
+           "x"_a, "y"_a, "stream"_a, "y = encoder(x) on the CUDA stream `stream` (an integer handle)")
+      .def("set_use_graphs", &EncoderGpu::set_use_graphs, "on"_a)
+      .def_prop_ro("graph_count", &EncoderGpu::graph_count);
+#endif
 
   m.def("built_with_cuda", &built_with_cuda);
   m.def("cuda_device_count", &cuda_device_count);

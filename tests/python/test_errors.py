@@ -97,7 +97,7 @@ def test_from_torch_rejects_other_modules():
         kfuse.ResNetEncoder.from_torch(torch.nn.Linear(3, 4))
 
 
-def test_cuda_tensors_are_not_implemented_yet_or_run(enc):
+def test_cuda_training_is_not_implemented_yet(enc):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     with pytest.raises(NotImplementedError, match="CUDA"):

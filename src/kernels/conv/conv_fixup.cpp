@@ -1,0 +1,60 @@
+// Public entry points of the FixUp convolutions: dispatch on (dtype, tile) to the per-instance functions
+// (fixup_instances.h). Plain C++, no CUTLASS: the instances live in their own CUDA TUs.
+#include "kernels/conv/conv_fixup.h"
+
+#include "kernels/conv/fixup_instances.h"
+
+namespace kfuse::kernels {
+namespace {
+
+struct Instance {
+  bool (*can_implement)(const Conv2dProblem&, int);
+  size_t (*workspace_bytes)(const Conv2dProblem&, int);
+  cudaError_t (*launch)(const Conv2dProblem&, const void*, const void*, void*, const FixupEpilogue&, int, void*,
+                        size_t, cudaStream_t);
+};
+
+#define KFUSE_FIXUP_INSTANCE(name) \
+  Instance { detail::name##_can_implement, detail::name##_workspace_bytes, detail::name##_launch }
+
+// nullptr for an enum value outside the declared ones (e.g. cast from an int).
+const Instance* find_instance(ConvDType dtype, ConvTile tile) {
+  static const Instance kF16_128x64 = KFUSE_FIXUP_INSTANCE(fixup_f16_128x64);
+  static const Instance kF16_64x64 = KFUSE_FIXUP_INSTANCE(fixup_f16_64x64);
+  static const Instance kBF16_128x64 = KFUSE_FIXUP_INSTANCE(fixup_bf16_128x64);
+  static const Instance kBF16_64x64 = KFUSE_FIXUP_INSTANCE(fixup_bf16_64x64);
+  const bool big = tile == ConvTile::k128x64;
+  if (!big && tile != ConvTile::k64x64) return nullptr;
+  switch (dtype) {
+    case ConvDType::kF16:
+      return big ? &kF16_128x64 : &kF16_64x64;
+    case ConvDType::kBF16:
+      return big ? &kBF16_128x64 : &kBF16_64x64;
+  }
+  return nullptr;
+}
+
+#undef KFUSE_FIXUP_INSTANCE
+
+}  // namespace
+
+bool conv2d_fprop_fixup_can_implement(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile, int split_k) {
+  const Instance* inst = find_instance(dtype, tile);
+  return inst != nullptr && inst->can_implement(problem, split_k);
+}
+
+size_t conv2d_fprop_fixup_workspace_bytes(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile,
+                                          int split_k) {
+  const Instance* inst = find_instance(dtype, tile);
+  return inst != nullptr ? inst->workspace_bytes(problem, split_k) : 0;
+}
+
+cudaError_t conv2d_fprop_fixup(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile, const void* x,
+                               const void* w, void* y, const FixupEpilogue& epilogue, int split_k, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream) {
+  const Instance* inst = find_instance(dtype, tile);
+  if (inst == nullptr) return cudaErrorInvalidValue;
+  return inst->launch(problem, x, w, y, epilogue, split_k, workspace, workspace_bytes, stream);
+}
+
+}  // namespace kfuse::kernels

@@ -1,0 +1,45 @@
+// Convolutions of the encoder with FixUp epilogues: CUTLASS 2.x implicit-GEMM fprop (cp.async + mma.sync, SASS for
+// sm_80 and sm_90), one instantiation per (dtype, CTA tile) in its own .cu file. No CUTLASS header here.
+//
+//   y[n, p, q, k] = post + act(alpha * conv(x, w)[n, p, q, k] + pre),   act = relu if `relu` else identity
+//
+// x: NHWC, w: KRSC, y: NPQK, all densely packed, of one dtype (fp16 or bf16); fp32 accumulation and epilogue math.
+// alpha, pre and post are device pointers to one float each, read inside the kernel: the FixUp scalars live on the
+// GPU, so a captured CUDA graph sees their current values. nullptr stands for alpha = 1, pre = 0, post = 0.
+// Uses in the encoder: conv1 -> h + b2a = relu(acc + b1b) + b2a; conv2 -> o = acc * scale + b2b; shortcut -> acc.
+#pragma once
+
+#include <cstddef>
+
+#include <cuda_runtime.h>
+
+#include "kernels/conv/conv_fprop.h"
+
+namespace kfuse::kernels {
+
+enum class ConvDType { kF16, kBF16 };
+
+// CTA tile M x N (M = output pixels, N = output channels).
+enum class ConvTile { k128x64, k64x64 };
+
+struct FixupEpilogue {
+  const float* alpha = nullptr;
+  const float* pre = nullptr;
+  const float* post = nullptr;
+  bool relu = false;
+};
+
+// Host-only check: alignment (C and K multiples of 8), sizes, split_k in [1, 64].
+KFUSE_KERNEL_API bool conv2d_fprop_fixup_can_implement(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile,
+                                                       int split_k = 1);
+// Device workspace the launch needs (serial split-K semaphores); 0 when split_k == 1.
+KFUSE_KERNEL_API size_t conv2d_fprop_fixup_workspace_bytes(const Conv2dProblem& problem, ConvDType dtype,
+                                                           ConvTile tile, int split_k = 1);
+// Asynchronous on `stream`. Returns cudaErrorInvalidValue without launching when the problem cannot be implemented,
+// a pointer is null or not 16-byte aligned, or the workspace is too small.
+KFUSE_KERNEL_API cudaError_t conv2d_fprop_fixup(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile,
+                                                const void* x, const void* w, void* y, const FixupEpilogue& epilogue,
+                                                int split_k, void* workspace, size_t workspace_bytes,
+                                                cudaStream_t stream);
+
+}  // namespace kfuse::kernels

@@ -1,0 +1,5 @@
+// FixUp conv fprop instance: fp16, CTA tile 128x64x32 (2 x 2 warps of 64x32x32),
+// 4 stages = 48 KiB of shared memory. See fixup_conv_impl.cuh.
+#include "kernels/conv/fixup_conv_impl.cuh"
+
+KFUSE_FIXUP_DEFINE_INSTANCE(fixup_f16_128x64, FixupConv<cutlass::half_t, 128, 64, /*Stages=*/4>)

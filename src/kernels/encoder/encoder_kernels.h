@@ -1,0 +1,54 @@
+// The encoder's non-GEMM kernels (no CUTLASS): the fused stem and the fused squeeze-excitation + residual.
+// Plain launchers; T is the network's storage type (fp16 or bf16), all math in fp32.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "kernels/conv/conv_fixup.h"
+
+namespace kfuse::kernels {
+
+// Element types the stem reads its input in.
+enum class InputDType { kF32, kF16, kBF16, kU8 };
+
+// stem: x0 = relu(conv1x1(space_to_depth_4(v), W)) with v = x * in_scale[c] + in_shift[c] (identity when the scale
+// pointer is null), reading x (N, C, H, W) through arbitrary element strides (NCHW, channels_last, NHWC uint8 RGBA
+// with C = 3 ...). Writes x0 (NHWC, P0 channels) and, when a0 is non-null, a0 = x0 + *b1a (block 1's input).
+struct StemArgs {
+  const void* x = nullptr;
+  InputDType x_dtype = InputDType::kF16;
+  int64_t stride_n = 0, stride_c = 0, stride_h = 0, stride_w = 0;  // in elements
+  int n = 0, c = 0, h = 0, w = 0;
+  const float* in_scale = nullptr;  // [C] or null
+  const float* in_shift = nullptr;  // [C] or null
+  const void* weight = nullptr;     // [kpad][p0] of T: row k = dy*4C + dx*C + c, zero rows past 16C
+  int kpad = 0, p0 = 0;             // kpad: 16C rounded up to 64; p0 % 8 == 0
+  const float* b1a = nullptr;
+  void* x0 = nullptr;
+  void* a0 = nullptr;
+};
+cudaError_t launch_stem(const StemArgs& args, ConvDType dtype, cudaStream_t stream);
+
+// squeeze-excitation and residual of one block, one CTA per image:
+//   g = sigmoid(fc2(relu(fc1(mean_hw(o))))),  y = relu(o * g + identity)
+// o, identity: NHWC (HW x P per image) of T. fc weights/biases fp32 (fc1: [hidden, P], fc2: [P, hidden]).
+// Outputs, each optional: y (NHWC, T); a_next = y + *next_b1a (NHWC, T); out (NCHW, T or fp32 as out_f32).
+struct SqueezeExciteArgs {
+  const void* o = nullptr;
+  const void* identity = nullptr;
+  int n = 0, hw = 0, p = 0, hidden = 0;
+  const float* w1 = nullptr;
+  const float* b1 = nullptr;
+  const float* w2 = nullptr;
+  const float* b2 = nullptr;
+  void* y = nullptr;
+  const float* next_b1a = nullptr;
+  void* a_next = nullptr;
+  void* out_nchw = nullptr;
+  bool out_f32 = false;
+};
+cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& args, ConvDType dtype, cudaStream_t stream);
+
+}  // namespace kfuse::kernels

@@ -1,0 +1,443 @@
+// GPU tests of the FixUp-epilogue conv launchers (src/kernels/conv/conv_fixup.h) against a float64 CPU reference
+// y = post + act(alpha * conv(x, w) + pre) computed from the same rounded fp16 / bf16 inputs. Tests that need a GPU
+// skip when there is none or when its compute capability is not 8.x / 9.x (the kernels' SASS).
+#include "kernels/conv/conv_fixup.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using kfuse::kernels::Conv2dProblem;
+using kfuse::kernels::ConvDType;
+using kfuse::kernels::ConvTile;
+using kfuse::kernels::FixupEpilogue;
+
+struct Variant {
+  const char* name;
+  ConvDType dtype;
+  ConvTile tile;
+};
+
+const Variant kVariants[] = {
+    {"f16_128x64", ConvDType::kF16, ConvTile::k128x64},
+    {"f16_64x64", ConvDType::kF16, ConvTile::k64x64},
+    {"bf16_128x64", ConvDType::kBF16, ConvTile::k128x64},
+    {"bf16_64x64", ConvDType::kBF16, ConvTile::k64x64},
+};
+
+// Quiet NaN of each dtype: poisons outputs before each launch.
+uint16_t nan_bits(ConvDType dt) { return dt == ConvDType::kF16 ? 0x7e00 : 0x7fc0; }
+
+// Empty when the current device can run the kernels (SASS for sm_80 and sm_90), otherwise why not.
+std::string device_skip_reason() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::string("no usable CUDA device: ") + cudaGetErrorString(err);
+  }
+  if (count == 0) return "no CUDA device";
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "cannot query the CUDA device";
+  }
+  if (major < 8 || major > 9) {
+    return "fixup kernels have no code for compute capability " + std::to_string(major) + "." +
+           std::to_string(minor);
+  }
+  return {};
+}
+
+// Owns one device allocation.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr != nullptr) (void)cudaFree(ptr);
+  }
+  cudaError_t alloc(size_t n) {
+    bytes = n;
+    return n == 0 ? cudaSuccess : cudaMalloc(&ptr, n);
+  }
+  uint16_t* u16() const { return static_cast<uint16_t*>(ptr); }
+  float* f32() const { return static_cast<float*>(ptr); }
+};
+
+struct StreamGuard {
+  cudaStream_t stream = nullptr;
+  ~StreamGuard() {
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  }
+};
+
+// Elements are handled as raw 16-bit patterns so that one code path serves both dtypes.
+uint16_t to_bits(float f, ConvDType dt) {
+  uint16_t bits;
+  if (dt == ConvDType::kF16) {
+    const __half h = __float2half_rn(f);
+    std::memcpy(&bits, &h, sizeof(bits));
+  } else {
+    const __nv_bfloat16 b = __float2bfloat16_rn(f);
+    std::memcpy(&bits, &b, sizeof(bits));
+  }
+  return bits;
+}
+
+double from_bits(uint16_t bits, ConvDType dt) {
+  if (dt == ConvDType::kF16) {
+    __half_raw raw;
+    raw.x = bits;
+    return __half2float(__half(raw));
+  }
+  __nv_bfloat16_raw raw;
+  raw.x = bits;
+  return __bfloat162float(__nv_bfloat16(raw));
+}
+
+// Deterministic per-test seed (FNV-1a of the test's name).
+uint32_t seed_for(const std::string& name) {
+  uint32_t h = 2166136261u;
+  for (unsigned char ch : name) h = (h ^ ch) * 16777619u;
+  return h;
+}
+
+std::vector<uint16_t> random_elements(size_t n, ConvDType dt, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = to_bits(dist(rng), dt);
+  return v;
+}
+
+size_t act_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w * p.c; }
+size_t flt_elems(const Conv2dProblem& p) { return size_t(p.k) * p.r * p.s * p.c; }
+size_t out_elems(const Conv2dProblem& p) { return size_t(p.n) * p.p() * p.q() * p.k; }
+
+// float64 cross-correlation with zero padding, NHWC x KRSC -> NPQK.
+std::vector<double> reference_conv(const Conv2dProblem& p, const std::vector<uint16_t>& x,
+                                   const std::vector<uint16_t>& w, ConvDType dt) {
+  const int P = p.p(), Q = p.q();
+  std::vector<double> xd(x.size()), wd(w.size());
+  for (size_t i = 0; i < x.size(); ++i) xd[i] = from_bits(x[i], dt);
+  for (size_t i = 0; i < w.size(); ++i) wd[i] = from_bits(w[i], dt);
+  std::vector<double> out(out_elems(p));
+  for (int n = 0; n < p.n; ++n)
+    for (int op = 0; op < P; ++op)
+      for (int oq = 0; oq < Q; ++oq)
+        for (int k = 0; k < p.k; ++k) {
+          double acc = 0.0;
+          for (int r = 0; r < p.r; ++r) {
+            const int ih = op * p.stride_h - p.pad_h + r;
+            if (ih < 0 || ih >= p.h) continue;
+            for (int s = 0; s < p.s; ++s) {
+              const int iw = oq * p.stride_w - p.pad_w + s;
+              if (iw < 0 || iw >= p.w) continue;
+              const double* xs = &xd[((size_t(n) * p.h + ih) * p.w + iw) * p.c];
+              const double* ws = &wd[((size_t(k) * p.r + r) * p.s + s) * p.c];
+              for (int ci = 0; ci < p.c; ++ci) acc += xs[ci] * ws[ci];
+            }
+          }
+          out[((size_t(n) * P + op) * Q + oq) * p.k + k] = acc;
+        }
+  return out;
+}
+
+// post + act(alpha * conv + pre), elementwise, in float64.
+std::vector<double> apply_fixup(std::vector<double> conv, double alpha, double pre, double post, bool relu) {
+  for (double& v : conv) {
+    double t = alpha * v + pre;
+    if (relu && t < 0.0) t = 0.0;
+    v = post + t;
+  }
+  return conv;
+}
+
+Conv2dProblem make_problem(int n, int h, int w, int c, int k, int r, int s, int pad, int stride) {
+  Conv2dProblem p;
+  p.n = n, p.h = h, p.w = w, p.c = c, p.k = k, p.r = r, p.s = s;
+  p.pad_h = p.pad_w = pad;
+  p.stride_h = p.stride_w = stride;
+  return p;
+}
+
+// Normwise relative error ||out - ref|| / ||ref|| and NaN count of a device output against its reference.
+struct Comparison {
+  size_t nan_count = 0;
+  double rel = 0.0;
+  double ref_norm2 = 0.0;
+};
+
+Comparison compare(const std::vector<uint16_t>& out, const std::vector<double>& ref, ConvDType dt) {
+  Comparison c;
+  double err2 = 0.0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const double o = from_bits(out[i], dt);
+    if (std::isnan(o)) {
+      ++c.nan_count;
+      continue;
+    }
+    err2 += (o - ref[i]) * (o - ref[i]);
+    c.ref_norm2 += ref[i] * ref[i];
+  }
+  c.rel = c.ref_norm2 > 0.0 ? std::sqrt(err2 / c.ref_norm2) : 0.0;
+  return c;
+}
+
+// Uploads x and w, poisons y, launches on a non-blocking stream (so that a launcher ignoring its stream argument
+// races with the synchronisation), and returns y.
+void run_fixup(const Variant& v, const Conv2dProblem& p, int split_k, const std::vector<uint16_t>& x,
+               const std::vector<uint16_t>& w, const FixupEpilogue& epilogue, std::vector<uint16_t>* out) {
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const std::vector<uint16_t> poison(out_elems(p), nan_bits(v.dtype));
+  DeviceBuffer dx, dw, dy, ws;
+  ASSERT_EQ(dx.alloc(x.size() * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(dw.alloc(w.size() * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(dy.alloc(poison.size() * sizeof(uint16_t)), cudaSuccess);
+  const size_t ws_bytes = kfuse::kernels::conv2d_fprop_fixup_workspace_bytes(p, v.dtype, v.tile, split_k);
+  if (split_k == 1) {
+    EXPECT_EQ(ws_bytes, 0u);
+  } else {
+    EXPECT_GT(ws_bytes, 0u) << "serial split-K needs its semaphores";
+  }
+  ASSERT_EQ(ws.alloc(ws_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dx.ptr, x.data(), dx.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw.ptr, w.data(), dw.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dy.ptr, poison.data(), dy.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+
+  StreamGuard stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(kfuse::kernels::conv2d_fprop_fixup(p, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, epilogue, split_k, ws.ptr,
+                                               ws.bytes, stream.stream),
+            cudaSuccess);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream.stream), cudaSuccess);
+
+  out->assign(poison.size(), 0);
+  ASSERT_EQ(cudaMemcpy(out->data(), dy.ptr, dy.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+}
+
+// ---- random inputs and scalars, encoder-like shapes ------------------------------------------------------------
+
+struct FixupCase {
+  const char* name;
+  Conv2dProblem problem;
+  int split_k;
+};
+
+const FixupCase kCases[] = {
+    {"n3_16x16_c64_k64_s1", make_problem(3, 16, 16, 64, 64, 3, 3, 1, 1), 1},
+    {"n2_16x16_c64_k128_s2", make_problem(2, 16, 16, 64, 128, 3, 3, 1, 2), 1},
+    {"n2_4x4_c256_k512_s2", make_problem(2, 4, 4, 256, 512, 3, 3, 1, 2), 1},
+    // C / split_k not a multiple of the 32-channel K tile: uneven slices, the last one partly out of range.
+    {"n2_4x4_c256_k512_s2_split3", make_problem(2, 4, 4, 256, 512, 3, 3, 1, 2), 3},
+    {"n2_2x2_c512_k512_s1", make_problem(2, 2, 2, 512, 512, 3, 3, 1, 1), 1},
+    {"n2_2x2_c512_k512_s1_split4", make_problem(2, 2, 2, 512, 512, 3, 3, 1, 1), 4},
+    {"n2_2x2_c512_k512_s1_split9", make_problem(2, 2, 2, 512, 512, 3, 3, 1, 1), 9},
+};
+
+struct GpuParam {
+  const Variant* variant;
+  FixupCase conv;
+  bool relu;
+};
+
+// Readable test listings (gtest would otherwise print the struct's bytes).
+void PrintTo(const GpuParam& param, std::ostream* os) {
+  *os << param.variant->name << "/" << param.conv.name << "/split" << param.conv.split_k
+      << (param.relu ? "/relu" : "/identity");
+}
+
+class ConvFixupGpuTest : public ::testing::TestWithParam<GpuParam> {};
+
+TEST_P(ConvFixupGpuTest, MatchesFloat64Reference) {
+  const Variant& v = *GetParam().variant;
+  const FixupCase& tc = GetParam().conv;
+  const bool relu = GetParam().relu;
+  const Conv2dProblem& p = tc.problem;
+  if (const std::string why = device_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+
+  const std::string test_name = std::string(v.name) + "/" + tc.name + (relu ? "/relu" : "/identity");
+  const uint32_t seed = seed_for(test_name);
+  SCOPED_TRACE(test_name + " seed=" + std::to_string(seed));
+  ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_can_implement(p, v.dtype, v.tile, tc.split_k));
+
+  std::mt19937 rng(seed);
+  const std::vector<uint16_t> x = random_elements(act_elems(p), v.dtype, rng);
+  const std::vector<uint16_t> w = random_elements(flt_elems(p), v.dtype, rng);
+  // conv outputs have a spread of ~8 to ~22 here: pre in [-4, 4] moves the relu threshold without clipping all.
+  const float scalars[3] = {std::uniform_real_distribution<float>(0.25f, 1.5f)(rng),
+                            std::uniform_real_distribution<float>(-4.0f, 4.0f)(rng),
+                            std::uniform_real_distribution<float>(-2.0f, 2.0f)(rng)};
+
+  DeviceBuffer dscalars;  // alpha, pre, post: device scalars, as the encoder keeps them
+  ASSERT_EQ(dscalars.alloc(sizeof(scalars)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dscalars.ptr, scalars, sizeof(scalars), cudaMemcpyHostToDevice), cudaSuccess);
+  FixupEpilogue epilogue;
+  epilogue.alpha = dscalars.f32() + 0;
+  epilogue.pre = dscalars.f32() + 1;
+  epilogue.post = dscalars.f32() + 2;
+  epilogue.relu = relu;
+
+  std::vector<uint16_t> out;
+  ASSERT_NO_FATAL_FAILURE(run_fixup(v, p, tc.split_k, x, w, epilogue, &out));
+
+  const std::vector<double> ref =
+      apply_fixup(reference_conv(p, x, w, v.dtype), scalars[0], scalars[1], scalars[2], relu);
+  const Comparison c = compare(out, ref, v.dtype);
+  EXPECT_EQ(c.nan_count, 0u) << "output elements left unwritten (NaN poison) or NaN, of " << out.size();
+  ASSERT_GT(c.ref_norm2, 0.0);
+  EXPECT_LE(c.rel, 1e-2) << "normwise relative error ||out-ref||/||ref||, alpha=" << scalars[0]
+                         << " pre=" << scalars[1] << " post=" << scalars[2];
+}
+
+std::vector<GpuParam> all_gpu_params() {
+  std::vector<GpuParam> params;
+  for (const Variant& v : kVariants)
+    for (const FixupCase& tc : kCases)
+      for (bool relu : {false, true}) params.push_back({&v, tc, relu});
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, ConvFixupGpuTest, ::testing::ValuesIn(all_gpu_params()),
+                         [](const ::testing::TestParamInfo<GpuParam>& info) {
+                           return std::string(info.param.variant->name) + "_" + info.param.conv.name +
+                                  (info.param.relu ? "_relu" : "_identity");
+                         });
+
+// ---- nullptr scalars mean alpha = 1, pre = 0, post = 0 ---------------------------------------------------------
+
+class ConvFixupVariantTest : public ::testing::TestWithParam<const Variant*> {};
+
+TEST_P(ConvFixupVariantTest, NullScalarsMeanIdentity) {
+  const Variant& v = *GetParam();
+  if (const std::string why = device_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+
+  const Conv2dProblem p = make_problem(2, 8, 8, 64, 64, 3, 3, 1, 1);
+  for (int split_k : {1, 2}) {
+    for (bool relu : {false, true}) {
+      const std::string test_name =
+          std::string(v.name) + "/null_scalars/split" + std::to_string(split_k) + (relu ? "/relu" : "/identity");
+      const uint32_t seed = seed_for(test_name);
+      SCOPED_TRACE(test_name + " seed=" + std::to_string(seed));
+      ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_can_implement(p, v.dtype, v.tile, split_k));
+
+      std::mt19937 rng(seed);
+      const std::vector<uint16_t> x = random_elements(act_elems(p), v.dtype, rng);
+      const std::vector<uint16_t> w = random_elements(flt_elems(p), v.dtype, rng);
+      FixupEpilogue epilogue;  // all three pointers nullptr
+      epilogue.relu = relu;
+
+      std::vector<uint16_t> out;
+      ASSERT_NO_FATAL_FAILURE(run_fixup(v, p, split_k, x, w, epilogue, &out));
+      const std::vector<double> ref = apply_fixup(reference_conv(p, x, w, v.dtype), 1.0, 0.0, 0.0, relu);
+      const Comparison c = compare(out, ref, v.dtype);
+      EXPECT_EQ(c.nan_count, 0u) << "output elements left unwritten (NaN poison) or NaN, of " << out.size();
+      ASSERT_GT(c.ref_norm2, 0.0);
+      EXPECT_LE(c.rel, 1e-2) << "normwise relative error ||out-ref||/||ref||";
+    }
+  }
+}
+
+// A rejected call returns cudaErrorInvalidValue and launches nothing (the poisoned output stays untouched).
+TEST_P(ConvFixupVariantTest, LauncherReturnsErrorWithoutLaunching) {
+  const Variant& v = *GetParam();
+  if (const std::string why = device_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+
+  const Conv2dProblem bad = make_problem(1, 8, 8, 3, 64, 3, 3, 1, 1);  // C = 3: not 16-byte rows
+  ASSERT_FALSE(kfuse::kernels::conv2d_fprop_fixup_can_implement(bad, v.dtype, v.tile));
+  const Conv2dProblem good = make_problem(1, 8, 8, 64, 64, 3, 3, 1, 1);
+  ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_can_implement(good, v.dtype, v.tile, 4));
+  ASSERT_GT(kfuse::kernels::conv2d_fprop_fixup_workspace_bytes(good, v.dtype, v.tile, 4), 0u);
+
+  std::mt19937 rng(seed_for(std::string(v.name) + "/reject"));
+  const std::vector<uint16_t> x = random_elements(act_elems(good), v.dtype, rng);  // covers both problems' inputs
+  const std::vector<uint16_t> w = random_elements(flt_elems(good), v.dtype, rng);
+  const std::vector<uint16_t> poison(out_elems(good), nan_bits(v.dtype));
+  DeviceBuffer dx, dw, dy;
+  ASSERT_EQ(dx.alloc(x.size() * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(dw.alloc(w.size() * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(dy.alloc(poison.size() * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dx.ptr, x.data(), dx.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw.ptr, w.data(), dw.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dy.ptr, poison.data(), dy.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+
+  using kfuse::kernels::conv2d_fprop_fixup;
+  const FixupEpilogue e;
+  EXPECT_EQ(conv2d_fprop_fixup(bad, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, e, 1, nullptr, 0, nullptr),
+            cudaErrorInvalidValue);
+  // Misaligned x, null y, split-K without its workspace, and split_k 0 are rejected the same way.
+  EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.u16() + 1, dw.ptr, dy.ptr, e, 1, nullptr, 0, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.ptr, dw.ptr, nullptr, e, 1, nullptr, 0, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, e, 4, nullptr, 0, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, e, 0, nullptr, 0, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a rejected call must not leave a CUDA error behind";
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  std::vector<uint16_t> out(poison.size());
+  ASSERT_EQ(cudaMemcpy(out.data(), dy.ptr, dy.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  size_t touched = 0;
+  for (uint16_t bits : out) touched += bits != nan_bits(v.dtype);
+  EXPECT_EQ(touched, 0u) << "a rejected call wrote to the output, so something was launched";
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, ConvFixupVariantTest,
+                         ::testing::Values(&kVariants[0], &kVariants[1], &kVariants[2], &kVariants[3]),
+                         [](const ::testing::TestParamInfo<const Variant*>& info) {
+                           return std::string(info.param->name);
+                         });
+
+// ---- host-only: can_implement and workspace_bytes need no device ------------------------------------------------
+
+TEST(ConvFixupCanImplement, RejectsUnsupportedProblems) {
+  using kfuse::kernels::conv2d_fprop_fixup_can_implement;
+  using kfuse::kernels::conv2d_fprop_fixup_workspace_bytes;
+  for (const Variant& v : kVariants) {
+    SCOPED_TRACE(v.name);
+    const Conv2dProblem ok = make_problem(2, 16, 16, 64, 64, 3, 3, 1, 1);
+    EXPECT_TRUE(conv2d_fprop_fixup_can_implement(ok, v.dtype, v.tile));
+    EXPECT_TRUE(conv2d_fprop_fixup_can_implement(make_problem(2, 2, 2, 512, 512, 3, 3, 1, 1), v.dtype, v.tile, 9));
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 3, 64, 3, 3, 1, 1), v.dtype, v.tile))
+        << "C = 3 is not a multiple of 8";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 64, 12, 3, 3, 1, 1), v.dtype, v.tile))
+        << "K = 12 is not a multiple of 8";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 64, 64, 3, 3, 1, 0), v.dtype, v.tile))
+        << "stride 0";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 2, 2, 64, 64, 5, 5, 0, 1), v.dtype, v.tile))
+        << "filter larger than input";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(0, 16, 16, 64, 64, 3, 3, 1, 1), v.dtype, v.tile))
+        << "empty batch";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(ok, v.dtype, v.tile, 0)) << "split_k 0";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(ok, v.dtype, v.tile, 65)) << "split_k above 64";
+
+    EXPECT_EQ(conv2d_fprop_fixup_workspace_bytes(ok, v.dtype, v.tile, 1), 0u);
+    EXPECT_GT(conv2d_fprop_fixup_workspace_bytes(ok, v.dtype, v.tile, 4), 0u);
+    EXPECT_EQ(conv2d_fprop_fixup_workspace_bytes(make_problem(2, 16, 16, 3, 64, 3, 3, 1, 1), v.dtype, v.tile, 4), 0u)
+        << "no workspace for a problem that cannot be implemented";
+  }
+  EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 64, 64, 3, 3, 1, 1), ConvDType::kF16,
+                                                static_cast<ConvTile>(7)))
+      << "unknown tile";
+}
+
+}  // namespace

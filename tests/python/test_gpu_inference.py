@@ -1,0 +1,146 @@
+"""GPU tier: the fused CUDA inference path against the float64 reference (skipped without a CUDA GPU)."""
+
+import pytest
+import torch
+from conftest import rel_err
+
+import kfuse
+from kfuse import _C
+
+pytestmark = pytest.mark.skipif(not kfuse.cuda_available(), reason="needs a CUDA GPU and a CUDA build of kfuse")
+
+TOL = 1e-2  # fp16 / bf16 storage, fp32 accumulation
+
+
+def reference64(ref: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The float64 reference output (plain PyTorch in float64 on the GPU)."""
+    r = ref.double().cuda()
+    with torch.no_grad():
+        return r(x.double().cuda())
+
+
+@pytest.mark.parametrize("precision", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 128, 300])
+@pytest.mark.parametrize("c", [1, 3, 11])
+def test_matches_float64_reference(make_reference, c, n, precision):
+    seed = 1000 + 10 * c + n
+    ref = make_reference(in_channels=c, seed=seed)
+    enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", precision)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, c, 64, 64, generator=gen)
+    y_ref = reference64(ref, x)
+    with torch.no_grad():
+        y = enc(x.cuda().to(precision))
+    assert y.dtype == precision and y.shape == (n, 512, 2, 2)
+    assert not torch.isnan(y).any()
+    assert rel_err(y, y_ref) <= TOL
+
+
+@pytest.mark.parametrize("layout", ["nchw-f32", "channels_last-f16", "nhwc-uint8-rgba", "nchw-bf16-32x96"])
+def test_input_layouts_and_dtypes(make_reference, layout):
+    ref = make_reference(in_channels=3, seed=7)
+    enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)
+    gen = torch.Generator().manual_seed(8)
+    h, w = (32, 96) if "32x96" in layout else (64, 64)
+    if layout.startswith("nhwc-uint8"):
+        img = torch.randint(0, 256, (5, h, w, 4), generator=gen, dtype=torch.uint8)
+        mean, var = torch.tensor([0.4, 0.5, 0.6]), torch.tensor([0.05, 0.005, 0.2])  # one var under the 1e-2 clamp
+        enc.set_input_normalization(mean, var)
+        x_ref = (img[..., :3].permute(0, 3, 1, 2).double() / 255 - mean.double().view(1, 3, 1, 1)) * \
+            torch.rsqrt(var.double().clamp_min(1e-2)).view(1, 3, 1, 1)
+        x = img.cuda()
+    else:
+        x_ref = torch.rand(5, 3, h, w, generator=gen, dtype=torch.float64)
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[layout.split("-")[1]]
+        x = x_ref.to(dtype).cuda()
+        if layout.startswith("channels_last"):
+            x = x.contiguous(memory_format=torch.channels_last)
+            assert not x.is_contiguous()
+    with torch.no_grad():
+        y = enc(x)
+    assert rel_err(y, reference64(ref, x_ref)) <= TOL
+    if layout.startswith("nhwc-uint8"):  # the CPU path reads uint8 the same way
+        cpu = kfuse.ResNetEncoder.from_torch(ref)
+        cpu.set_input_normalization(mean, var)
+        with torch.no_grad():
+            assert rel_err(y, cpu(img)) <= TOL
+
+
+def test_float32_module_runs_in_fp16_with_float32_output(make_reference):
+    ref = make_reference(in_channels=3, seed=9)
+    enc = kfuse.ResNetEncoder.from_torch(ref).cuda()
+    x = torch.rand(4, 3, 64, 64)
+    with torch.no_grad():
+        y = enc(x.cuda())
+    assert y.dtype == torch.float32
+    assert rel_err(y, reference64(ref, x)) <= TOL
+
+
+def test_every_output_written_and_repeat_runs_bit_identical(make_reference):
+    """Low-level engine: the output is poisoned with NaN first; graph replays, fresh pointers and the graph-free path
+    all give the same bits."""
+    ref = make_reference(in_channels=3, seed=11)
+    enc = kfuse.ResNetEncoder.from_torch(ref)
+    engine = _C.EncoderGpu(enc.config, "float16", 0)
+    engine.set_weights([p.detach().float().contiguous() for p in enc.parameters()])
+    stream = torch.cuda.current_stream().cuda_stream
+    x = torch.rand(33, 3, 64, 64, device="cuda", dtype=torch.float16)
+    outs = []
+    for i in range(4):
+        y = torch.full((33, 512, 2, 2), float("nan"), device="cuda", dtype=torch.float16)
+        xi = x.clone() if i == 2 else x  # a new input address: the graph's stem is patched
+        engine.forward(xi, y, stream)
+        outs.append(y)
+    engine.set_use_graphs(False)
+    y = torch.full((33, 512, 2, 2), float("nan"), device="cuda", dtype=torch.float16)
+    engine.forward(x, y, stream)
+    outs.append(y)
+    torch.cuda.synchronize()
+    assert engine.graph_count == 1
+    assert not torch.isnan(outs[0]).any()
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    assert rel_err(outs[0], reference64(ref, x.float())) <= TOL
+
+
+def test_weights_update_is_picked_up(make_reference):
+    ref = make_reference(in_channels=1, seed=12)
+    enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)
+    x = torch.rand(2, 1, 64, 64)
+    with torch.no_grad():
+        enc(x.cuda().half())
+        enc.layers[3][0].fixup_scale.mul_(1.5)
+        ref.layers[3][0].fixup_scale.mul_(1.5)
+        y = enc(x.cuda().half())
+    assert rel_err(y, reference64(ref, x)) <= TOL
+
+
+def test_engine_rejects_bad_arguments(make_reference):
+    enc = kfuse.ResNetEncoder.from_torch(make_reference(in_channels=3, seed=13))
+    engine = _C.EncoderGpu(enc.config, "float16", 0)
+    stream = torch.cuda.current_stream().cuda_stream
+    x = torch.rand(2, 3, 64, 64, device="cuda", dtype=torch.float16)
+    y = torch.empty(2, 512, 2, 2, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="before set_weights"):
+        engine.forward(x, y, stream)
+    engine.set_weights([p.detach().float().contiguous() for p in enc.parameters()])
+    with pytest.raises(ValueError, match="output has shape"):
+        engine.forward(x, torch.empty(2, 512, 2, 1, device="cuda", dtype=torch.float16), stream)
+    with pytest.raises(ValueError, match="contiguous NCHW"):
+        engine.forward(x, torch.empty(2, 2, 2, 512, device="cuda", dtype=torch.float16).permute(0, 3, 1, 2), stream)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        engine.forward(x.cpu(), y, stream)
+    with pytest.raises(ValueError, match="int32"):
+        engine.forward(x.to(torch.int32), y, stream)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        engine.forward(x[:, :, :48], y, stream)
+    with pytest.raises(ValueError, match="precision"):
+        _C.EncoderGpu(enc.config, "float64", 0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _C.EncoderGpu((3, 24, (1, 1, 1, 1)), "float16", 0)
+
+
+def test_training_on_cuda_is_refused_clearly(make_reference):
+    enc = kfuse.ResNetEncoder.from_torch(make_reference(in_channels=3, seed=14)).cuda()
+    with pytest.raises(NotImplementedError, match="no_grad"):
+        enc(torch.rand(1, 3, 32, 32, device="cuda"))
