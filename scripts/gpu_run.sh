@@ -39,7 +39,10 @@ fi
 # that already holds the shared libstdc++ (through torch) the two copies' global state clash (std::regex and
 # iostreams crashed). The distribution's g++ links it dynamically.
 compiler=()
-if [[ -x /usr/bin/g++ ]]; then compiler=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++); fi
+if [[ -x /usr/bin/g++ ]]; then
+  compiler=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++)
+  export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++  # the image sets both to the wrapper; they beat -D on a fresh cache
+fi
 if cmake --fresh -S . -B build-gpu/full -G Ninja "${compiler[@]}" -DKFUSE_KERNEL_OBJECTS_DIR="$root/.kfuse-dist/objects" \
      -DKFUSE_JSON_INCLUDE_DIR="$root/.kfuse-dist/include" -DKFUSE_BUILD_TESTS=OFF \
      -DPython_EXECUTABLE="$(command -v "$py")" >"$logs/build.log" 2>&1 &&
@@ -47,6 +50,9 @@ if cmake --fresh -S . -B build-gpu/full -G Ninja "${compiler[@]}" -DKFUSE_KERNEL
   status[build]="ok ($((SECONDS - t0)) s)"
 else
   echo "[gpu_run] build failed:"; tail -30 "$logs/build.log"; exit 1
+fi
+if ldd python/kfuse/_C*.so | grep -q 'libstdc++'; then :; else
+  echo "[gpu_run] warning: kfuse._C does not link libstdc++ dynamically (static copy: std::regex/iostreams may crash)"
 fi
 # The C++ GPU test binaries came prebuilt; they find this libkfuse here.
 export LD_LIBRARY_PATH="$root/build-gpu/full/src${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
