@@ -5,17 +5,19 @@
 #   2. runs the GPU test tier: the C++ GPU tests, pytest, the C++ example, compute-sanitizer memcheck/racecheck;
 #   3. runs the benchmark (`kfuse bench`, results under bench/results/<device>/);
 #   4. prints a short table last. Logs and results go to $OUT/kfuse-results.tgz when $OUT is set.
-# Usage: bash scripts/gpu_run.sh [--no-bench] [--no-sanitize] [-- extra kfuse bench arguments]
+# Usage: bash scripts/gpu_run.sh [--no-bench] [--no-sanitize] [--profile] [-- extra kfuse bench arguments]
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bench=1
 sanitize=1
+profile=0
 bench_args=()
 while (($#)); do
   case "$1" in
     --no-bench) bench=0 ;;
     --no-sanitize) sanitize=0 ;;
+    --profile) profile=1 ;;
     --) shift; bench_args=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -78,6 +80,26 @@ if ((sanitize)) && command -v compute-sanitizer >/dev/null; then
       status[sanitizer-$tool]="ok: $(grep -m1 'ERROR SUMMARY' "$logs/sanitizer-$tool.log")"
     else status[sanitizer-$tool]="FAILED"; grep -m5 -E 'ERROR|Invalid|hazard' "$logs/sanitizer-$tool.log"; fi
   done
+fi
+
+# Per-kernel device times of one batch-128 forward (ncu, one pass per kernel) and the host overhead per call.
+if ((profile)); then
+  ncu --metrics gpu__time_duration.sum --csv "$example" "" 128 >"$logs/ncu.csv" 2>"$logs/ncu.err"
+  "$py" - "$logs/ncu.csv" <<'EOPY' | tee "$logs/profile.txt"
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head, rows = rows[0], rows[1:]
+name, val, unit = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+total = 0.0
+for r in rows:
+    us = float(r[val].replace(",", "")) * scale.get(r[unit], 1e-3)
+    total += us
+    print(f"{us:9.2f} us  {r[name][:110]}")
+print(f"{total:9.2f} us  total over {len(rows)} kernels")
+EOPY
+  "$py" scripts/profile_infer.py 128 | tee -a "$logs/profile.txt"
+  status[profile]="see build-gpu/logs/profile.txt"
 fi
 
 # 3. benchmark -----------------------------------------------------------------------------------------------------

@@ -240,7 +240,10 @@ struct EncoderGpu::Impl {
                "conv2d_fprop_fixup");
   }
 
+  std::map<Geometry, bool> checked;  // geometries whose convolutions were checked and sized
+
   void ensure_workspace(const Geometry& g) {
+    if (checked.count(g)) return;
     size_t need = 0;
     int h = g.h / 4, w = g.w / 4;
     for (const auto& b : blocks) {
@@ -260,7 +263,10 @@ struct EncoderGpu::Impl {
       conv_workspace = nullptr;
       check_cuda(cudaMalloc(&conv_workspace, need), "cudaMalloc (conv workspace)");
       conv_workspace_bytes = need;
+      // Captured graphs hold the old workspace address.
+      clear_graphs();
     }
+    checked[g] = true;
   }
 
   // conv1, conv2 and (when there is one) the shortcut of block b whose input is n x h x w.

@@ -1,5 +1,7 @@
 """GPU tier: the fused CUDA inference path against the float64 reference (skipped without a CUDA GPU)."""
 
+import copy
+
 import pytest
 import torch
 from conftest import rel_err
@@ -13,8 +15,8 @@ TOL = 1e-2  # fp16 / bf16 storage, fp32 accumulation
 
 
 def reference64(ref: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The float64 reference output (plain PyTorch in float64 on the GPU)."""
-    r = ref.double().cuda()
+    """The float64 reference output (plain PyTorch in float64 on the GPU, on a copy: `ref` stays as it is)."""
+    r = copy.deepcopy(ref).double().cuda()
     with torch.no_grad():
         return r(x.double().cuda())
 

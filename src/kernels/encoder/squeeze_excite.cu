@@ -37,10 +37,21 @@ __global__ void __launch_bounds__(kThreads) squeeze_excite_kernel(const SqueezeE
   const T* o = static_cast<const T*>(a.o) + base;
   const T* idt = static_cast<const T*>(a.identity) + base;
 
-  // Squeeze: consecutive threads take consecutive channels, so each row of o is read coalesced.
+  // Squeeze: consecutive threads take consecutive channels (coalesced rows of o); when P < kThreads the spare
+  // threads take other rows, and the row slices are summed in a fixed order (deterministic, no atomics).
+  float* partial = hidden + a.hidden;  // [slices][p]
+  const int slices = a.p >= kThreads ? 1 : kThreads / a.p;
+  for (int t = threadIdx.x; t < slices * a.p; t += kThreads) {
+    const int c = t % a.p, slice = t / a.p;
+    float s = 0.f;
+#pragma unroll 4
+    for (int i = slice; i < a.hw; i += slices) s += to_f(o[int64_t(i) * a.p + c]);
+    partial[slice * a.p + c] = s;
+  }
+  __syncthreads();
   for (int c = threadIdx.x; c < a.p; c += kThreads) {
     float s = 0.f;
-    for (int i = 0; i < a.hw; ++i) s += to_f(o[int64_t(i) * a.p + c]);
+    for (int slice = 0; slice < slices; ++slice) s += partial[slice * a.p + c];
     mean[c] = s / float(a.hw);
   }
   __syncthreads();
@@ -100,7 +111,8 @@ cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& a, ConvDType dtype, c
   if (!a.o || !a.identity || !a.w1 || !a.b1 || !a.w2 || !a.b2 || a.n <= 0 || a.hw <= 0 || a.p % 8 || a.hidden <= 0 ||
       (a.a_next && !a.next_b1a) || (!a.y && !a.a_next && !a.out_nchw))
     return cudaErrorInvalidValue;
-  const size_t smem = sizeof(float) * (2 * size_t(a.p) + a.hidden);
+  const int slices = a.p >= kThreads ? 1 : kThreads / a.p;
+  const size_t smem = sizeof(float) * (2 * size_t(a.p) + a.hidden + size_t(slices) * a.p);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
   if (dtype == ConvDType::kF16)
     squeeze_excite_kernel<__half><<<a.n, kThreads, smem, stream>>>(a);
