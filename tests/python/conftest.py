@@ -44,7 +44,7 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Normwise relative error ||a - b|| / ||b|| in float64."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return ((a - b).norm() / b.norm()).item()
 
 

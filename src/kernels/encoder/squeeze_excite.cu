@@ -9,7 +9,8 @@
 namespace kfuse::kernels {
 namespace {
 
-constexpr int kThreads = 256;
+// 1024 threads: one CTA per image leaves one CTA per SM, so the block itself must keep enough loads in flight.
+constexpr int kThreads = 1024;
 
 template <class T>
 __device__ float to_f(T v);

@@ -56,7 +56,8 @@ __global__ void __launch_bounds__(kThreads) stem_kernel(const StemArgs a) {
 
   for (int k0 = 0; k0 < a.kpad; k0 += kTileK) {
     for (int i = threadIdx.x; i < kTileM * kTileK; i += kThreads) {
-      const int r = i / kTileK, kk = i % kTileK, k = k0 + kk;
+      // Consecutive threads take consecutive pixels: neighbouring input addresses (4 elements apart in NCHW).
+      const int r = i % kTileM, kk = i / kTileM, k = k0 + kk;
       const int64_t m = m0 + r;
       float v = 0.f;
       if (k < k_real && m < m_total) {
