@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "gpu_test_support.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -17,6 +19,10 @@
 #include <vector>
 
 namespace {
+
+using kfuse::testing::DeviceBuffer;
+using kfuse::testing::seed_for;
+using kfuse::testing::StreamGuard;
 
 using kfuse::kernels::Conv2dProblem;
 using kfuse::kernels::ConvDType;
@@ -39,53 +45,7 @@ const Variant kVariants[] = {
 // Quiet NaN of each dtype: poisons outputs before each launch.
 uint16_t nan_bits(ConvDType dt) { return dt == ConvDType::kF16 ? 0x7e00 : 0x7fc0; }
 
-// Empty when the current device can run the kernels (SASS for sm_80 and sm_90), otherwise why not.
-std::string device_skip_reason() {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return std::string("no usable CUDA device: ") + cudaGetErrorString(err);
-  }
-  if (count == 0) return "no CUDA device";
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return "cannot query the CUDA device";
-  }
-  if (major < 8 || major > 9) {
-    return "fixup kernels have no code for compute capability " + std::to_string(major) + "." +
-           std::to_string(minor);
-  }
-  return {};
-}
-
-// Owns one device allocation.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr != nullptr) (void)cudaFree(ptr);
-  }
-  cudaError_t alloc(size_t n) {
-    bytes = n;
-    return n == 0 ? cudaSuccess : cudaMalloc(&ptr, n);
-  }
-  uint16_t* u16() const { return static_cast<uint16_t*>(ptr); }
-  float* f32() const { return static_cast<float*>(ptr); }
-};
-
-struct StreamGuard {
-  cudaStream_t stream = nullptr;
-  ~StreamGuard() {
-    if (stream != nullptr) (void)cudaStreamDestroy(stream);
-  }
-};
+std::string device_skip_reason() { return kfuse::testing::device_skip_reason(8, 9, "the fixup conv kernels"); }
 
 // Elements are handled as raw 16-bit patterns so that one code path serves both dtypes.
 uint16_t to_bits(float f, ConvDType dt) {
@@ -111,12 +71,6 @@ double from_bits(uint16_t bits, ConvDType dt) {
   return __bfloat162float(__nv_bfloat16(raw));
 }
 
-// Deterministic per-test seed (FNV-1a of the test's name).
-uint32_t seed_for(const std::string& name) {
-  uint32_t h = 2166136261u;
-  for (unsigned char ch : name) h = (h ^ ch) * 16777619u;
-  return h;
-}
 
 std::vector<uint16_t> random_elements(size_t n, ConvDType dt, std::mt19937& rng) {
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
@@ -289,9 +243,9 @@ TEST_P(ConvFixupGpuTest, MatchesFloat64Reference) {
   ASSERT_EQ(dscalars.alloc(sizeof(scalars)), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dscalars.ptr, scalars, sizeof(scalars), cudaMemcpyHostToDevice), cudaSuccess);
   FixupEpilogue epilogue;
-  epilogue.alpha = dscalars.f32() + 0;
-  epilogue.pre = dscalars.f32() + 1;
-  epilogue.post = dscalars.f32() + 2;
+  epilogue.alpha = dscalars.as<float>() + 0;
+  epilogue.pre = dscalars.as<float>() + 1;
+  epilogue.post = dscalars.as<float>() + 2;
   epilogue.relu = relu;
 
   std::vector<uint16_t> out;
@@ -383,7 +337,7 @@ TEST_P(ConvFixupVariantTest, LauncherReturnsErrorWithoutLaunching) {
   EXPECT_EQ(conv2d_fprop_fixup(bad, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, e, 1, nullptr, 0, nullptr),
             cudaErrorInvalidValue);
   // Misaligned x, null y, split-K without its workspace, and split_k 0 are rejected the same way.
-  EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.u16() + 1, dw.ptr, dy.ptr, e, 1, nullptr, 0, nullptr),
+  EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.as<uint16_t>() + 1, dw.ptr, dy.ptr, e, 1, nullptr, 0, nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.ptr, dw.ptr, nullptr, e, 1, nullptr, 0, nullptr),
             cudaErrorInvalidValue);

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "gpu_test_support.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +16,10 @@
 #include <vector>
 
 namespace {
+
+using kfuse::testing::DeviceBuffer;
+using kfuse::testing::seed_for;
+using kfuse::testing::StreamGuard;
 
 using kfuse::kernels::Conv2dProblem;
 
@@ -38,52 +44,9 @@ const KernelApi kSm80{"sm80", 8, 9, kfuse::kernels::conv2d_fprop_f16_sm80_can_im
 
 constexpr uint16_t kNaNBits = 0x7e00;  // fp16 quiet NaN, poisons outputs before each launch
 
-// Empty when the current device can run `api`'s kernel, otherwise why not.
 std::string device_skip_reason(const KernelApi& api) {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return std::string("no usable CUDA device: ") + cudaGetErrorString(err);
-  }
-  if (count == 0) return "no CUDA device";
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return "cannot query the CUDA device";
-  }
-  if (major < api.min_major || major > api.max_major) {
-    return std::string(api.name) + " kernel has no code for compute capability " + std::to_string(major) + "." +
-           std::to_string(minor);
-  }
-  return {};
+  return kfuse::testing::device_skip_reason(api.min_major, api.max_major, std::string(api.name) + " kernel");
 }
-
-// Owns one device allocation.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr != nullptr) (void)cudaFree(ptr);
-  }
-  cudaError_t alloc(size_t n) {
-    bytes = n;
-    return n == 0 ? cudaSuccess : cudaMalloc(&ptr, n);
-  }
-  __half* half() const { return static_cast<__half*>(ptr); }
-};
-
-struct StreamGuard {
-  cudaStream_t stream = nullptr;
-  ~StreamGuard() {
-    if (stream != nullptr) (void)cudaStreamDestroy(stream);
-  }
-};
 
 __half half_from_bits(uint16_t bits) {
   __half_raw raw;
@@ -95,13 +58,6 @@ uint16_t bits_of(__half h) {
   uint16_t bits;
   std::memcpy(&bits, &h, sizeof(bits));
   return bits;
-}
-
-// Deterministic per-test seed (FNV-1a of the test's name).
-uint32_t seed_for(const std::string& name) {
-  uint32_t h = 2166136261u;
-  for (unsigned char ch : name) h = (h ^ ch) * 16777619u;
-  return h;
 }
 
 std::vector<__half> random_halves(size_t n, std::mt19937& rng) {
@@ -214,7 +170,7 @@ TEST_P(ConvFpropGpuTest, MatchesFloat64Reference) {
   // A non-default stream, so that a launcher ignoring its stream argument races with the synchronisation below.
   StreamGuard stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking), cudaSuccess);
-  ASSERT_EQ(api.launch(p, dx.half(), dw.half(), tc.with_source ? dc.half() : nullptr, dd.half(), tc.alpha, tc.beta,
+  ASSERT_EQ(api.launch(p, dx.as<__half>(), dw.as<__half>(), tc.with_source ? dc.as<__half>() : nullptr, dd.as<__half>(), tc.alpha, tc.beta,
                        ws.ptr, ws.bytes, stream.stream),
             cudaSuccess);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
@@ -287,12 +243,12 @@ TEST_P(ConvFpropRejectTest, LauncherReturnsErrorWithoutLaunching) {
   ASSERT_EQ(cudaMemcpy(dd.ptr, poison.data(), dd.bytes, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
 
-  EXPECT_EQ(api.launch(bad, dx.half(), dw.half(), nullptr, dd.half(), 1.0f, 0.0f, nullptr, 0, nullptr),
+  EXPECT_EQ(api.launch(bad, dx.as<__half>(), dw.as<__half>(), nullptr, dd.as<__half>(), 1.0f, 0.0f, nullptr, 0, nullptr),
             cudaErrorInvalidValue);
   // beta != 0 without a C tensor, and a misaligned pointer, are rejected the same way.
-  EXPECT_EQ(api.launch(good, dx.half(), dw.half(), nullptr, dd.half(), 1.0f, 1.0f, nullptr, 0, nullptr),
+  EXPECT_EQ(api.launch(good, dx.as<__half>(), dw.as<__half>(), nullptr, dd.as<__half>(), 1.0f, 1.0f, nullptr, 0, nullptr),
             cudaErrorInvalidValue);
-  EXPECT_EQ(api.launch(good, dx.half() + 1, dw.half(), nullptr, dd.half(), 1.0f, 0.0f, nullptr, 0, nullptr),
+  EXPECT_EQ(api.launch(good, dx.as<__half>() + 1, dw.as<__half>(), nullptr, dd.as<__half>(), 1.0f, 0.0f, nullptr, 0, nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a rejected call must not leave a CUDA error behind";
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);

@@ -80,7 +80,14 @@ TEST_P(ReferenceGradcheck, MatchesCentralDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(SmallNetworks, ReferenceGradcheck,
                          ::testing::Values(GradCase{{2, 16, {1, 1, 1, 1}}, {2, 2, 32, 32}},
-                                           GradCase{{1, 16, {1, 2}}, {1, 1, 16, 32}}));
+                                           GradCase{{1, 16, {1, 2}}, {1, 1, 16, 32}}),
+                         [](const ::testing::TestParamInfo<GradCase>& info) {
+                           const EncoderConfig& c = info.param.config;
+                           std::string name = "c" + std::to_string(c.in_channels) + "_stages" +
+                                              std::to_string(c.layers.size()) + "_n" +
+                                              std::to_string(info.param.input[0]);
+                           return name;
+                         });
 
 TEST(Reference, FloatStorageTracksDouble) {
   const EncoderConfig c{3, 16, {1, 1, 1, 1}};

@@ -5,27 +5,13 @@
 #include <cuda_fp16.h>
 
 #include "kernels/encoder/encoder_kernels.h"
+#include "kernels/encoder/numeric.cuh"
 
 namespace kfuse::kernels {
 namespace {
 
 // 1024 threads: one CTA per image leaves one CTA per SM, so the block itself must keep enough loads in flight.
 constexpr int kThreads = 1024;
-
-template <class T>
-__device__ float to_f(T v);
-template <>
-__device__ float to_f<__half>(__half v) { return __half2float(v); }
-template <>
-__device__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <class T>
-__device__ T to_t(float v);
-template <>
-__device__ __half to_t<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __nv_bfloat16 to_t<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-__device__ float relu(float v) { return v != v ? v : fmaxf(v, 0.f); }
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) squeeze_excite_kernel(const SqueezeExciteArgs a) {
@@ -62,7 +48,7 @@ __global__ void __launch_bounds__(kThreads) squeeze_excite_kernel(const SqueezeE
     float s = 0.f;
     for (int c = lane; c < a.p; c += 32) s += a.w1[int64_t(j) * a.p + c] * mean[c];
     for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (lane == 0) hidden[j] = relu(s + a.b1[j]);
+    if (lane == 0) hidden[j] = relu_keep_nan(s + a.b1[j]);
   }
   __syncthreads();
   // fc2 + sigmoid.
@@ -86,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) squeeze_excite_kernel(const SqueezeE
     float y[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      y[k] = relu(to_f(o8[k]) * gate[c0 + k] + to_f(id8[k]));
+      y[k] = relu_keep_nan(to_f(o8[k]) * gate[c0 + k] + to_f(id8[k]));
       y8[k] = to_t<T>(y[k]);
       an8[k] = to_t<T>(y[k] + nb1a);
     }

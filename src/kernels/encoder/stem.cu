@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/encoder/encoder_kernels.h"
+#include "kernels/encoder/numeric.cuh"
 
 namespace kfuse::kernels {
 namespace {
@@ -17,13 +18,6 @@ constexpr int kTileK = 64;
 constexpr int kThreads = 128;  // 4 warps, each 16 pixels x 64 channels
 constexpr int kPad = 8;        // row padding (elements) against shared-memory bank conflicts
 
-template <class T>
-__device__ T to_t(float v);
-template <>
-__device__ __half to_t<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __nv_bfloat16 to_t<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
 __device__ float load_input(const StemArgs& a, int64_t offset) {
   switch (a.x_dtype) {
     case InputDType::kF32: return static_cast<const float*>(a.x)[offset];
@@ -33,9 +27,6 @@ __device__ float load_input(const StemArgs& a, int64_t offset) {
   }
   return 0.f;
 }
-
-// PyTorch's relu keeps NaN.
-__device__ float relu(float v) { return v != v ? v : fmaxf(v, 0.f); }
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) stem_kernel(const StemArgs a) {
@@ -104,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) stem_kernel(const StemArgs a) {
     alignas(16) T x8[8], a8[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float v = relu(Cs[r][col + e]);
+      const float v = relu_keep_nan(Cs[r][col + e]);
       x8[e] = to_t<T>(v);
       a8[e] = to_t<T>(v + b1a);
     }
