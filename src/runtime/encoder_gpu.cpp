@@ -400,6 +400,8 @@ void EncoderGpu::set_weights(const EncoderParams<float>& params) {
   // Weights keep their address, so captured graphs stay valid when the values change.
   static_assert(sizeof(size_t) == 8);
   if (m.weights == nullptr) check_cuda(cudaMalloc(&m.weights, pk.bytes().size()), "cudaMalloc (weights)");
+  // Forwards in flight on any stream (the caller's may be non-blocking) still read the old weights.
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   check_cuda(cudaMemcpy(m.weights, pk.bytes().data(), pk.bytes().size(), cudaMemcpyHostToDevice), "cudaMemcpy");
   if (!m.have_weights) set_input_affine({}, {});
   m.have_weights = true;
@@ -416,6 +418,7 @@ void EncoderGpu::set_input_affine(const std::vector<float>& scale, const std::ve
     v[c + i] = shift.empty() ? 0.f : shift[i];
   }
   Impl::Device scope(m.device);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // forwards in flight read the old map
   check_cuda(cudaMemcpy(m.input_affine, v.data(), 2 * c * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
   m.use_affine = !scale.empty();
   // use_affine is baked into captured graphs (a null scale pointer skips the math): recapture.
