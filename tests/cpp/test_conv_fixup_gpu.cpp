@@ -1,6 +1,7 @@
 // GPU tests of the FixUp-epilogue conv launchers (src/kernels/conv/conv_fixup.h) against a float64 CPU reference
 // y = post + act(alpha * conv(x, w) + pre) computed from the same rounded fp16 / bf16 inputs. Tests that need a GPU
-// skip when there is none or when its compute capability is not 8.x / 9.x (the kernels' SASS).
+// skip when there is none or when its compute capability is not 8.x / 9.x (the kernels' SASS), or not 9.x for the
+// Hopper (kSm90) tiles, which run split_k 1 only.
 #include "kernels/conv/conv_fixup.h"
 
 #include <cuda_bf16.h>
@@ -33,6 +34,7 @@ struct Variant {
   const char* name;
   ConvDType dtype;
   ConvTile tile;
+  bool sm90 = false;  // CUTLASS 3.x Hopper tile: compute capability 9.x, fp16, split_k 1 only
 };
 
 const Variant kVariants[] = {
@@ -42,10 +44,18 @@ const Variant kVariants[] = {
     {"bf16_64x64", ConvDType::kBF16, ConvTile::k64x64},
 };
 
+const Variant kSm90Variants[] = {
+    {"f16_sm90_128x64", ConvDType::kF16, ConvTile::kSm90_128x64, true},
+    {"f16_sm90_64x64", ConvDType::kF16, ConvTile::kSm90_64x64, true},
+};
+
 // Quiet NaN of each dtype: poisons outputs before each launch.
 uint16_t nan_bits(ConvDType dt) { return dt == ConvDType::kF16 ? 0x7e00 : 0x7fc0; }
 
-std::string device_skip_reason() { return kfuse::testing::device_skip_reason(8, 9, "the fixup conv kernels"); }
+std::string device_skip_reason(const Variant& v) {
+  if (v.sm90) return kfuse::testing::device_skip_reason(9, 9, "the sm90 fixup conv kernels (sm_90a)");
+  return kfuse::testing::device_skip_reason(8, 9, "the fixup conv kernels");
+}
 
 // Elements are handled as raw 16-bit patterns so that one code path serves both dtypes.
 uint16_t to_bits(float f, ConvDType dt) {
@@ -224,7 +234,7 @@ TEST_P(ConvFixupGpuTest, MatchesFloat64Reference) {
   const FixupCase& tc = GetParam().conv;
   const bool relu = GetParam().relu;
   const Conv2dProblem& p = tc.problem;
-  if (const std::string why = device_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  if (const std::string why = device_skip_reason(v); !why.empty()) GTEST_SKIP() << why;
 
   const std::string test_name = std::string(v.name) + "/" + tc.name + (relu ? "/relu" : "/identity");
   const uint32_t seed = seed_for(test_name);
@@ -265,6 +275,10 @@ std::vector<GpuParam> all_gpu_params() {
   for (const Variant& v : kVariants)
     for (const FixupCase& tc : kCases)
       for (bool relu : {false, true}) params.push_back({&v, tc, relu});
+  for (const Variant& v : kSm90Variants)
+    for (const FixupCase& tc : kCases)
+      if (tc.split_k == 1)
+        for (bool relu : {false, true}) params.push_back({&v, tc, relu});
   return params;
 }
 
@@ -280,10 +294,11 @@ class ConvFixupVariantTest : public ::testing::TestWithParam<const Variant*> {};
 
 TEST_P(ConvFixupVariantTest, NullScalarsMeanIdentity) {
   const Variant& v = *GetParam();
-  if (const std::string why = device_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  if (const std::string why = device_skip_reason(v); !why.empty()) GTEST_SKIP() << why;
 
   const Conv2dProblem p = make_problem(2, 8, 8, 64, 64, 3, 3, 1, 1);
   for (int split_k : {1, 2}) {
+    if (v.sm90 && split_k != 1) continue;  // no split-K on the Hopper tiles
     for (bool relu : {false, true}) {
       const std::string test_name =
           std::string(v.name) + "/null_scalars/split" + std::to_string(split_k) + (relu ? "/relu" : "/identity");
@@ -311,13 +326,18 @@ TEST_P(ConvFixupVariantTest, NullScalarsMeanIdentity) {
 // A rejected call returns cudaErrorInvalidValue and launches nothing (the poisoned output stays untouched).
 TEST_P(ConvFixupVariantTest, LauncherReturnsErrorWithoutLaunching) {
   const Variant& v = *GetParam();
-  if (const std::string why = device_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  if (const std::string why = device_skip_reason(v); !why.empty()) GTEST_SKIP() << why;
 
   const Conv2dProblem bad = make_problem(1, 8, 8, 3, 64, 3, 3, 1, 1);  // C = 3: not 16-byte rows
   ASSERT_FALSE(kfuse::kernels::conv2d_fprop_fixup_can_implement(bad, v.dtype, v.tile));
   const Conv2dProblem good = make_problem(1, 8, 8, 64, 64, 3, 3, 1, 1);
-  ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_can_implement(good, v.dtype, v.tile, 4));
-  ASSERT_GT(kfuse::kernels::conv2d_fprop_fixup_workspace_bytes(good, v.dtype, v.tile, 4), 0u);
+  if (v.sm90) {  // split_k 4 is then rejected by can_implement rather than for its missing workspace
+    ASSERT_FALSE(kfuse::kernels::conv2d_fprop_fixup_can_implement(good, v.dtype, v.tile, 4));
+    ASSERT_EQ(kfuse::kernels::conv2d_fprop_fixup_workspace_bytes(good, v.dtype, v.tile, 4), 0u);
+  } else {
+    ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_can_implement(good, v.dtype, v.tile, 4));
+    ASSERT_GT(kfuse::kernels::conv2d_fprop_fixup_workspace_bytes(good, v.dtype, v.tile, 4), 0u);
+  }
 
   std::mt19937 rng(seed_for(std::string(v.name) + "/reject"));
   const std::vector<uint16_t> x = random_elements(act_elems(good), v.dtype, rng);  // covers both problems' inputs
@@ -356,7 +376,8 @@ TEST_P(ConvFixupVariantTest, LauncherReturnsErrorWithoutLaunching) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, ConvFixupVariantTest,
-                         ::testing::Values(&kVariants[0], &kVariants[1], &kVariants[2], &kVariants[3]),
+                         ::testing::Values(&kVariants[0], &kVariants[1], &kVariants[2], &kVariants[3],
+                                           &kSm90Variants[0], &kSm90Variants[1]),
                          [](const ::testing::TestParamInfo<const Variant*>& info) {
                            return std::string(info.param->name);
                          });
@@ -392,6 +413,62 @@ TEST(ConvFixupCanImplement, RejectsUnsupportedProblems) {
   EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 64, 64, 3, 3, 1, 1), ConvDType::kF16,
                                                 static_cast<ConvTile>(7)))
       << "unknown tile";
+}
+
+TEST(ConvFixupCanImplement, Sm90TilesNeedF16AndNoSplitK) {
+  using kfuse::kernels::conv2d_fprop_fixup_can_implement;
+  using kfuse::kernels::conv2d_fprop_fixup_workspace_bytes;
+  for (const Variant& v : kSm90Variants) {
+    SCOPED_TRACE(v.name);
+    const Conv2dProblem ok = make_problem(2, 16, 16, 64, 64, 3, 3, 1, 1);
+    EXPECT_TRUE(conv2d_fprop_fixup_can_implement(ok, ConvDType::kF16, v.tile));
+    EXPECT_TRUE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 64, 128, 3, 3, 1, 2), ConvDType::kF16,
+                                                 v.tile))
+        << "stride 2";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(ok, ConvDType::kBF16, v.tile)) << "no bf16 instance";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(ok, ConvDType::kF16, v.tile, 2)) << "split_k 2";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(ok, ConvDType::kF16, v.tile, 0)) << "split_k 0";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 3, 64, 3, 3, 1, 1), ConvDType::kF16,
+                                                  v.tile))
+        << "C = 3 is not a multiple of 8";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 64, 12, 3, 3, 1, 1), ConvDType::kF16,
+                                                  v.tile))
+        << "K = 12 is not a multiple of 8";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 64, 64, 3, 3, 1, 0), ConvDType::kF16,
+                                                  v.tile))
+        << "stride 0";
+    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 32, 32, 64, 64, 3, 3, 1, 9), ConvDType::kF16,
+                                                  v.tile))
+        << "stride 9: above TMA im2col's limit of 8";
+    EXPECT_EQ(conv2d_fprop_fixup_workspace_bytes(ok, ConvDType::kF16, v.tile, 1), 0u);
+    EXPECT_EQ(conv2d_fprop_fixup_workspace_bytes(ok, ConvDType::kF16, v.tile, 2), 0u);
+    EXPECT_EQ(conv2d_fprop_fixup_workspace_bytes(ok, ConvDType::kBF16, v.tile, 1), 0u);
+  }
+}
+
+// On a device other than 9.x the Hopper launch refuses with cudaErrorInvalidDevice and leaves no CUDA error.
+TEST(ConvFixupSm90, LaunchOnOtherDeviceReturnsInvalidDevice) {
+  int count = 0, dev = 0, major = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    GTEST_SKIP() << "no CUDA device";
+  }
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), cudaSuccess);
+  if (major == 9) GTEST_SKIP() << "compute capability 9.x: the sm90 tiles run here";
+
+  const Conv2dProblem p = make_problem(1, 8, 8, 64, 64, 3, 3, 1, 1);
+  DeviceBuffer dx, dw, dy;
+  ASSERT_EQ(dx.alloc(act_elems(p) * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(dw.alloc(flt_elems(p) * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(dy.alloc(out_elems(p) * sizeof(uint16_t)), cudaSuccess);
+  for (const Variant& v : kSm90Variants) {
+    SCOPED_TRACE(v.name);
+    EXPECT_EQ(kfuse::kernels::conv2d_fprop_fixup(p, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, FixupEpilogue{}, 1,
+                                                 nullptr, 0, nullptr),
+              cudaErrorInvalidDevice);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  }
 }
 
 }  // namespace

@@ -23,6 +23,13 @@ const Instance* find_instance(ConvDType dtype, ConvTile tile) {
   static const Instance kF16_64x64 = KFUSE_FIXUP_INSTANCE(fixup_f16_64x64);
   static const Instance kBF16_128x64 = KFUSE_FIXUP_INSTANCE(fixup_bf16_128x64);
   static const Instance kBF16_64x64 = KFUSE_FIXUP_INSTANCE(fixup_bf16_64x64);
+  static const Instance kF16_Sm90_128x64 = KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_128x64);
+  static const Instance kF16_Sm90_64x64 = KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_64x64);
+  // Hopper tiles: fp16 only; bf16 gets no instance, so can_implement is false and the launch is rejected.
+  if (tile == ConvTile::kSm90_128x64 || tile == ConvTile::kSm90_64x64) {
+    if (dtype != ConvDType::kF16) return nullptr;
+    return tile == ConvTile::kSm90_128x64 ? &kF16_Sm90_128x64 : &kF16_Sm90_64x64;
+  }
   const bool big = tile == ConvTile::k128x64;
   if (!big && tile != ConvTile::k64x64) return nullptr;
   switch (dtype) {

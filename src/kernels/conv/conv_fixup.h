@@ -1,5 +1,6 @@
 // Convolutions of the encoder with FixUp epilogues: CUTLASS 2.x implicit-GEMM fprop (cp.async + mma.sync, SASS for
-// sm_80 and sm_90), one instantiation per (dtype, CTA tile) in its own .cu file. No CUTLASS header here.
+// sm_80 and sm_90), and CUTLASS 3.x Hopper variants (the kSm90 tiles, fp16 only); one instantiation per (dtype, CTA
+// tile) in its own .cu file. No CUTLASS header here.
 //
 //   y[n, p, q, k] = post + act(alpha * conv(x, w)[n, p, q, k] + pre),   act = relu if `relu` else identity
 //
@@ -20,7 +21,12 @@ namespace kfuse::kernels {
 enum class ConvDType { kF16, kBF16 };
 
 // CTA tile M x N (M = output pixels, N = output channels).
-enum class ConvTile { k128x64, k64x64 };
+//   k128x64, k64x64: CUTLASS 2.x (above), fp16 / bf16, split-K, SASS for sm_80 and sm_90.
+//   kSm90_*: CUTLASS 3.x Hopper (TMA im2col + wgmma, K tile 64, no cluster), sm_90a SASS only. They need a compute
+//   capability 9.0 device, ConvDType::kF16 and split_k == 1 (can_implement is false otherwise), and stride <= 8
+//   (TMA im2col). can_implement cannot see the device: the caller must check it; on another device the launch
+//   returns cudaErrorInvalidDevice without launching.
+enum class ConvTile { k128x64, k64x64, kSm90_128x64, kSm90_64x64 };
 
 struct FixupEpilogue {
   const float* alpha = nullptr;
@@ -29,14 +35,15 @@ struct FixupEpilogue {
   bool relu = false;
 };
 
-// Host-only check: alignment (C and K multiples of 8), sizes, split_k in [1, 64].
+// Host-only check: alignment (C and K multiples of 8), sizes, split_k in [1, 64] (exactly 1 for the kSm90 tiles).
 KFUSE_KERNEL_API bool conv2d_fprop_fixup_can_implement(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile,
                                                        int split_k = 1);
 // Device workspace the launch needs (serial split-K semaphores); 0 when split_k == 1.
 KFUSE_KERNEL_API size_t conv2d_fprop_fixup_workspace_bytes(const Conv2dProblem& problem, ConvDType dtype,
                                                            ConvTile tile, int split_k = 1);
 // Asynchronous on `stream`. Returns cudaErrorInvalidValue without launching when the problem cannot be implemented,
-// a pointer is null or not 16-byte aligned, or the workspace is too small.
+// a pointer is null or not 16-byte aligned, or the workspace is too small; cudaErrorInvalidDevice for a kSm90 tile
+// when the current device's compute capability is not 9.x.
 KFUSE_KERNEL_API cudaError_t conv2d_fprop_fixup(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile,
                                                 const void* x, const void* w, void* y, const FixupEpilogue& epilogue,
                                                 int split_k, void* workspace, size_t workspace_bytes,

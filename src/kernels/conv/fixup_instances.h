@@ -22,5 +22,8 @@ KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_128x64)
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_64x64)
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_bf16_128x64)
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_bf16_64x64)
+// CUTLASS 3.x Hopper instances (fixup_f16_sm90_<tile>.cu, fixup_sm90_impl.cuh).
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_128x64)
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_64x64)
 
 }  // namespace kfuse::kernels::detail

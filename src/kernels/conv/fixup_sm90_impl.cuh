@@ -1,0 +1,214 @@
+// CUTLASS 3.x Hopper implicit-GEMM conv fprop (TMA im2col + wgmma) with the FixUp epilogue of conv_fixup.h as an
+// sm90 epilogue visitor tree, shared by the fixup_f16_sm90_*.cu files: each stamps out one CTA tile with
+// KFUSE_FIXUP_SM90_DEFINE_INSTANCE, so every CUTLASS instantiation is compiled in its own TU (sm_90a only).
+// fp16 NHWC x KRSC -> NPQK, fp32 accumulate; no split-K (the 3.x conv kernel has none).
+//
+//   D = post + max(alpha * acc + pre, floor),   floor = 0 (relu) or -inf (identity)
+//
+// Every scalar is an Sm90ScalarBroadcast: the kernel reads alpha / pre / post through their device pointers (so a
+// captured CUDA graph sees their current values) and falls back to the host value when a pointer is null, which
+// gives nullptr = 1 / 0 / 0 and makes relu a runtime argument (floor's value) without a second instantiation.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+// Order matters: the conv collective headers use cutlass::KernelHardwareInfo without including it.
+#include "cutlass/cutlass.h"
+#include "cutlass/kernel_hardware_info.hpp"
+#include "cute/tensor.hpp"
+#include "cutlass/conv/convnd_problem_shape.hpp"
+#include "cutlass/conv/device/conv_universal_adapter.hpp"
+#include "cutlass/conv/kernel/conv_universal.hpp"
+#include "cutlass/conv/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "cutlass/functional.h"
+#include "kernels/conv/conv_fixup.h"
+#include "kernels/conv/fixup_instances.h"
+
+namespace kfuse::kernels::detail::fixup_sm90_impl {
+
+using namespace cute;
+namespace fusion = cutlass::epilogue::fusion;
+
+// NaN-propagating max: torch.relu keeps NaN, and max(NaN, -inf) must stay NaN for the identity case too.
+template <class T>
+using MaxPropagateNaN = cutlass::maximum<T, /*PropagateNaN=*/true>;
+
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 15u) == 0; }
+
+// Checks CUTLASS's can_implement does not make: TMA im2col element strides are limited to 8, and p()/q() must be
+// positive (CUTLASS would otherwise see empty or negative extents).
+inline bool problem_is_sane(const Conv2dProblem& p, int split_k) {
+  return p.n > 0 && p.h > 0 && p.w > 0 && p.c > 0 && p.k > 0 && p.r > 0 && p.s > 0 && p.pad_h >= 0 &&
+         p.pad_w >= 0 && p.stride_h >= 1 && p.stride_h <= 8 && p.stride_w >= 1 && p.stride_w <= 8 && p.p() > 0 &&
+         p.q() > 0 && split_k == 1;
+}
+
+template <int TileM, int TileN>
+struct FixupConvSm90 {
+  using Element = cutlass::half_t;
+  using ElementAcc = float;
+  using ElementCompute = float;
+  using Layout = cutlass::layout::TensorNHWC;  // KRSC filters are "NHWC" to CUTLASS as well
+  static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 8 elements = 16 B (TMA)
+
+  using TileShape = Shape<Int<TileM>, Int<TileN>, Shape<_64>>;
+  using ClusterShape = Shape<_1, _1, _1>;
+
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+  using Scalar = fusion::Sm90ScalarBroadcast<ElementCompute>;
+  // alpha * acc + pre
+  using Affine = fusion::Sm90EVT<
+      fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementCompute, ElementCompute, kRound>,
+      Scalar, fusion::Sm90AccFetch, Scalar>;
+  // max(alpha * acc + pre, floor)
+  using Act = fusion::Sm90EVT<fusion::Sm90Compute<MaxPropagateNaN, ElementCompute, ElementCompute, kRound>,
+                              Affine, Scalar>;
+  // post + act(...), rounded to fp16 once
+  using FusionOp = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, Element, ElementCompute, kRound>, Scalar, Act>;
+
+  // ElementC = void: the tree reads no source tensor, so no C load and no C TMA descriptor.
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementCompute,
+      void, Layout, kAlign,     // C
+      Element, Layout, kAlign,  // D
+      cutlass::epilogue::TmaWarpSpecialized, FusionOp>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::conv::Operator::kFprop,
+      Element, Layout, kAlign, Element, Layout, kAlign, ElementAcc, TileShape, ClusterShape,
+      cutlass::conv::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::conv::collective::KernelScheduleAuto>::CollectiveOp;
+
+  using ProblemShape = cutlass::conv::ConvProblemShape<CollectiveMainloop::DispatchPolicy::ConvOp,
+                                                       CollectiveMainloop::DispatchPolicy::NumSpatialDimensions>;
+  using ConvKernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Conv = cutlass::conv::device::ConvUniversalAdapter<ConvKernel>;
+
+  static_assert(ProblemShape::RankS == 2);
+
+  static ProblemShape make_problem_shape(const Conv2dProblem& p) {
+    // Dense packed tensors; activation [n,h,w,c], filter [k,r,s,c]; symmetric padding, dilation 1, one group.
+    return ProblemShape(cutlass::conv::Mode::kCrossCorrelation, typename ProblemShape::TensorExtent{p.n, p.h, p.w, p.c},
+                        typename ProblemShape::TensorExtent{p.k, p.r, p.s, p.c},
+                        typename ProblemShape::ShapePadding{p.pad_h, p.pad_w},
+                        typename ProblemShape::ShapePadding{p.pad_h, p.pad_w},
+                        typename ProblemShape::TraversalStride{p.stride_h, p.stride_w},
+                        typename ProblemShape::ShapeDilation{1, 1},
+                        /*groups=*/1);
+  }
+
+  static typename Conv::Arguments make_arguments(const ProblemShape& shape, const void* x, const void* w, void* y,
+                                                 const FixupEpilogue& e) {
+    // The epilogue's C/D strides are ((q, p, n), k, batch): fill mode 0 from the NPQK strides, innermost first,
+    // as CUTLASS's conv testbed does.
+    typename ConvKernel::StrideC stride_c{};
+    typename ConvKernel::StrideD stride_d{};
+    cute::for_each(cute::make_seq<cute::rank<0>(typename ConvKernel::StrideC{})>{}, [&](auto i) {
+      cute::get<0, i>(stride_c) = shape.stride_C[ProblemShape::RankT - 2 - i];
+    });
+    cute::for_each(cute::make_seq<cute::rank<0>(typename ConvKernel::StrideD{})>{}, [&](auto i) {
+      cute::get<0, i>(stride_d) = shape.stride_C[ProblemShape::RankT - 2 - i];
+    });
+
+    typename ConvKernel::MainloopArguments mainloop{static_cast<const Element*>(x), static_cast<const Element*>(w)};
+
+    // A null pointer makes Sm90ScalarBroadcast use the value next to it: 1 / 0 / 0 as conv_fixup.h specifies.
+    auto scalar = [](const float* ptr, float fallback) {
+      typename Scalar::Arguments a{};
+      a.scalars[0] = fallback;
+      a.scalar_ptrs[0] = ptr;
+      return a;
+    };
+    const float floor = e.relu ? 0.0f : -std::numeric_limits<float>::infinity();
+    // Nested as the tree: {children..., node op}; Sm90Compute's op arguments are empty.
+    typename FusionOp::Arguments thread{
+        scalar(e.post, 0.0f),
+        {{scalar(e.alpha, 1.0f), {}, scalar(e.pre, 0.0f), {}}, scalar(nullptr, floor), {}},
+        {}};
+
+    typename ConvKernel::EpilogueArguments epilogue{thread, nullptr, stride_c, static_cast<Element*>(y), stride_d};
+
+    // Non-persistent schedule: hw_info (SM count) is unused, the default scheduler arguments suffice.
+    cutlass::KernelHardwareInfo hw_info{};
+    return typename Conv::Arguments{shape, mainloop, epilogue, hw_info};
+  }
+
+  static bool can_implement(const Conv2dProblem& problem, int split_k) {
+    if (!problem_is_sane(problem, split_k)) return false;
+    const ProblemShape shape = make_problem_shape(problem);
+    if (shape.shape_C[1] != problem.p() || shape.shape_C[2] != problem.q()) return false;
+    const auto args = make_arguments(shape, nullptr, nullptr, nullptr, {});
+    return Conv::can_implement(args) == cutlass::Status::kSuccess;
+  }
+
+  static size_t workspace_bytes(const Conv2dProblem& problem, int split_k) {
+    if (!can_implement(problem, split_k)) return 0;
+    const auto args = make_arguments(make_problem_shape(problem), nullptr, nullptr, nullptr, {});
+    return Conv::get_workspace_size(args);
+  }
+
+  // CUTLASS clears the CUDA error before returning a bare Status; recover the most likely cause (no kernel image
+  // for this device) on the failure path only, and clear the error that the query itself records.
+  static cudaError_t diagnose_failure() {
+    cudaFuncAttributes attr{};
+    const cudaError_t err = cudaFuncGetAttributes(&attr, cutlass::device_kernel<ConvKernel>);
+    (void)cudaGetLastError();
+    return err != cudaSuccess ? err : cudaErrorLaunchFailure;
+  }
+
+  // sm_90a SASS runs on compute capability 9.0 only; elsewhere TMA descriptor encoding or the launch would fail in
+  // ways CUTLASS reports poorly (asserts are off), so refuse up front.
+  static cudaError_t check_device() {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      const cudaError_t err = cudaGetLastError();  // clear it: a rejected call leaves no sticky error
+      return err != cudaSuccess ? err : cudaErrorInvalidDevice;
+    }
+    return major == 9 ? cudaSuccess : cudaErrorInvalidDevice;
+  }
+
+  static cudaError_t launch(const Conv2dProblem& problem, const void* x, const void* w, void* y,
+                            const FixupEpilogue& epilogue, int split_k, void* workspace, size_t workspace_bytes,
+                            cudaStream_t stream) {
+    if (!can_implement(problem, split_k)) return cudaErrorInvalidValue;
+    if (x == nullptr || w == nullptr || y == nullptr) return cudaErrorInvalidValue;
+    // TMA descriptors need 16-byte aligned base addresses; encoding failures are only asserted (off under NDEBUG).
+    if (!aligned16(x) || !aligned16(w) || !aligned16(y)) return cudaErrorInvalidValue;
+    if (const cudaError_t err = check_device(); err != cudaSuccess) return err;
+
+    const auto args = make_arguments(make_problem_shape(problem), x, w, y, epilogue);
+    if (Conv::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+    const size_t needed = Conv::get_workspace_size(args);
+    if (needed > 0 && (workspace == nullptr || workspace_bytes < needed)) return cudaErrorInvalidValue;
+
+    Conv op;
+    if (op.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return diagnose_failure();
+    if (op.run(stream) != cutlass::Status::kSuccess) return diagnose_failure();
+    return cudaSuccess;
+  }
+};
+
+}  // namespace kfuse::kernels::detail::fixup_sm90_impl
+
+// Defines name##_can_implement / _workspace_bytes / _launch (declared in fixup_instances.h) for one FixupConvSm90.
+#define KFUSE_FIXUP_SM90_DEFINE_INSTANCE(name, ...)                                                             \
+  namespace kfuse::kernels::detail {                                                                            \
+  bool name##_can_implement(const Conv2dProblem& problem, int split_k) {                                       \
+    return fixup_sm90_impl::__VA_ARGS__::can_implement(problem, split_k);                                      \
+  }                                                                                                             \
+  size_t name##_workspace_bytes(const Conv2dProblem& problem, int split_k) {                                   \
+    return fixup_sm90_impl::__VA_ARGS__::workspace_bytes(problem, split_k);                                    \
+  }                                                                                                             \
+  cudaError_t name##_launch(const Conv2dProblem& problem, const void* x, const void* w, void* y,               \
+                            const FixupEpilogue& epilogue, int split_k, void* workspace, size_t workspace_bytes, \
+                            cudaStream_t stream) {                                                              \
+    return fixup_sm90_impl::__VA_ARGS__::launch(problem, x, w, y, epilogue, split_k, workspace, workspace_bytes, \
+                                                stream);                                                        \
+  }                                                                                                             \
+  }
