@@ -14,6 +14,7 @@
 #include "cutlass/layout/tensor.h"
 #include "kernels/conv/conv_fixup.h"
 #include "kernels/conv/fixup_epilogue.h"
+#include "kernels/conv/cutlass_launch.cuh"
 #include "kernels/conv/fixup_instances.h"
 
 namespace kfuse::kernels::detail::fixup_impl {
@@ -31,8 +32,6 @@ inline cutlass::conv::Conv2dProblemSize make_problem_size(const Conv2dProblem& p
                                           p.stride_h, p.stride_w, /*dilation_h=*/1, /*dilation_w=*/1,
                                           cutlass::conv::Mode::kCrossCorrelation, split_k, /*groups=*/1);
 }
-
-inline bool aligned16(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 15u) == 0; }
 
 // Element: cutlass::half_t or cutlass::bfloat16_t. CTA tile TileM x 64 x 32 over 2 x 2 warps.
 template <typename Element, int TileM, int WarpM, int Stages>
@@ -81,15 +80,6 @@ struct FixupConv {
     return Conv::get_workspace_size(args);
   }
 
-  // CUTLASS clears the CUDA error before returning a bare Status; recover the most likely cause (no kernel image
-  // for this device) on the failure path only, and clear the error that the query itself records.
-  static cudaError_t diagnose_failure() {
-    cudaFuncAttributes attr{};
-    const cudaError_t err = cudaFuncGetAttributes(&attr, cutlass::Kernel<typename Conv::UnderlyingKernel>);
-    (void)cudaGetLastError();
-    return err != cudaSuccess ? err : cudaErrorLaunchFailure;
-  }
-
   static cudaError_t launch(const Conv2dProblem& problem, const void* x, const void* w, void* y,
                             const FixupEpilogue& epilogue, int split_k, void* workspace, size_t workspace_bytes,
                             cudaStream_t stream) {
@@ -99,32 +89,10 @@ struct FixupConv {
     if (!aligned16(x) || !aligned16(w) || !aligned16(y)) return cudaErrorInvalidValue;
 
     const auto args = make_arguments(make_problem_size(problem, split_k), x, w, y, epilogue);
-    const size_t needed = Conv::get_workspace_size(args);
-    if (needed > 0 && (workspace == nullptr || workspace_bytes < needed)) return cudaErrorInvalidValue;
-
-    // initialize() zeroes the split-K semaphores with cudaMemsetAsync on `stream` (capturable in a graph).
-    Conv op;
-    if (op.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return diagnose_failure();
-    if (op.run(stream) != cutlass::Status::kSuccess) return diagnose_failure();
-    return cudaSuccess;
+    // initialize() zeroes the split-K semaphores, if any, with cudaMemsetAsync on `stream`.
+    return run_cutlass_op<Conv>(args, workspace, workspace_bytes, stream,
+                                cutlass::Kernel<typename Conv::UnderlyingKernel>);
   }
 };
 
 }  // namespace kfuse::kernels::detail::fixup_impl
-
-// Defines name##_can_implement / _workspace_bytes / _launch (declared in fixup_instances.h) for one FixupConv.
-#define KFUSE_FIXUP_DEFINE_INSTANCE(name, ...)                                                                  \
-  namespace kfuse::kernels::detail {                                                                            \
-  bool name##_can_implement(const Conv2dProblem& problem, int split_k) {                                       \
-    return fixup_impl::__VA_ARGS__::can_implement(problem, split_k);                                           \
-  }                                                                                                             \
-  size_t name##_workspace_bytes(const Conv2dProblem& problem, int split_k) {                                   \
-    return fixup_impl::__VA_ARGS__::workspace_bytes(problem, split_k);                                         \
-  }                                                                                                             \
-  cudaError_t name##_launch(const Conv2dProblem& problem, const void* x, const void* w, void* y,               \
-                            const FixupEpilogue& epilogue, int split_k, void* workspace, size_t workspace_bytes, \
-                            cudaStream_t stream) {                                                              \
-    return fixup_impl::__VA_ARGS__::launch(problem, x, w, y, epilogue, split_k, workspace, workspace_bytes,     \
-                                           stream);                                                             \
-  }                                                                                                             \
-  }

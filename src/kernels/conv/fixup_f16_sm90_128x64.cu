@@ -2,4 +2,4 @@
 // See fixup_sm90_impl.cuh.
 #include "kernels/conv/fixup_sm90_impl.cuh"
 
-KFUSE_FIXUP_SM90_DEFINE_INSTANCE(fixup_f16_sm90_128x64, FixupConvSm90<128, 64>)
+KFUSE_FIXUP_DEFINE_INSTANCE(fixup_f16_sm90_128x64, fixup_sm90_impl::FixupConvSm90<128, 64>)

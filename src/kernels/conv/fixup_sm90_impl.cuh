@@ -25,6 +25,7 @@
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/functional.h"
 #include "kernels/conv/conv_fixup.h"
+#include "kernels/conv/cutlass_launch.cuh"
 #include "kernels/conv/fixup_instances.h"
 
 namespace kfuse::kernels::detail::fixup_sm90_impl {
@@ -35,8 +36,6 @@ namespace fusion = cutlass::epilogue::fusion;
 // NaN-propagating max: torch.relu keeps NaN, and max(NaN, -inf) must stay NaN for the identity case too.
 template <class T>
 using MaxPropagateNaN = cutlass::maximum<T, /*PropagateNaN=*/true>;
-
-inline bool aligned16(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 15u) == 0; }
 
 // Checks CUTLASS's can_implement does not make: TMA im2col element strides are limited to 8, and p()/q() must be
 // positive (CUTLASS would otherwise see empty or negative extents).
@@ -152,15 +151,6 @@ struct FixupConvSm90 {
     return Conv::get_workspace_size(args);
   }
 
-  // CUTLASS clears the CUDA error before returning a bare Status; recover the most likely cause (no kernel image
-  // for this device) on the failure path only, and clear the error that the query itself records.
-  static cudaError_t diagnose_failure() {
-    cudaFuncAttributes attr{};
-    const cudaError_t err = cudaFuncGetAttributes(&attr, cutlass::device_kernel<ConvKernel>);
-    (void)cudaGetLastError();
-    return err != cudaSuccess ? err : cudaErrorLaunchFailure;
-  }
-
   // sm_90a SASS runs on compute capability 9.0 only; elsewhere TMA descriptor encoding or the launch would fail in
   // ways CUTLASS reports poorly (asserts are off), so refuse up front.
   static cudaError_t check_device() {
@@ -184,31 +174,9 @@ struct FixupConvSm90 {
 
     const auto args = make_arguments(make_problem_shape(problem), x, w, y, epilogue);
     if (Conv::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-    const size_t needed = Conv::get_workspace_size(args);
-    if (needed > 0 && (workspace == nullptr || workspace_bytes < needed)) return cudaErrorInvalidValue;
-
-    Conv op;
-    if (op.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return diagnose_failure();
-    if (op.run(stream) != cutlass::Status::kSuccess) return diagnose_failure();
-    return cudaSuccess;
+    // initialize() zeroes the split-K semaphores, if any, with cudaMemsetAsync on `stream`.
+    return run_cutlass_op<Conv>(args, workspace, workspace_bytes, stream, cutlass::device_kernel<ConvKernel>);
   }
 };
 
 }  // namespace kfuse::kernels::detail::fixup_sm90_impl
-
-// Defines name##_can_implement / _workspace_bytes / _launch (declared in fixup_instances.h) for one FixupConvSm90.
-#define KFUSE_FIXUP_SM90_DEFINE_INSTANCE(name, ...)                                                             \
-  namespace kfuse::kernels::detail {                                                                            \
-  bool name##_can_implement(const Conv2dProblem& problem, int split_k) {                                       \
-    return fixup_sm90_impl::__VA_ARGS__::can_implement(problem, split_k);                                      \
-  }                                                                                                             \
-  size_t name##_workspace_bytes(const Conv2dProblem& problem, int split_k) {                                   \
-    return fixup_sm90_impl::__VA_ARGS__::workspace_bytes(problem, split_k);                                    \
-  }                                                                                                             \
-  cudaError_t name##_launch(const Conv2dProblem& problem, const void* x, const void* w, void* y,               \
-                            const FixupEpilogue& epilogue, int split_k, void* workspace, size_t workspace_bytes, \
-                            cudaStream_t stream) {                                                              \
-    return fixup_sm90_impl::__VA_ARGS__::launch(problem, x, w, y, epilogue, split_k, workspace, workspace_bytes, \
-                                                stream);                                                        \
-  }                                                                                                             \
-  }

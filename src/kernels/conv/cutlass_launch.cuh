@@ -1,0 +1,58 @@
+// What every CUTLASS conv launcher of the FixUp family does around its kernel: the pointer alignment check, the
+// workspace check, initialize + run with CUTLASS failures turned into a CUDA error, and the macro that stamps out the
+// three plain functions of one instance (declared in fixup_instances.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "cutlass/cutlass.h"
+
+namespace kfuse::kernels::detail {
+
+// 128-bit vector accesses (cp.async, TMA, epilogue stores) need 16-byte aligned base pointers.
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 15u) == 0; }
+
+// CUTLASS clears the CUDA error before returning a bare Status; recover the most likely cause (no kernel image for
+// this device) on the failure path only, and clear the error that the query itself records.
+template <class KernelFn>
+cudaError_t diagnose_launch_failure(KernelFn kernel) {
+  cudaFuncAttributes attr{};
+  const cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+  (void)cudaGetLastError();
+  return err != cudaSuccess ? err : cudaErrorLaunchFailure;
+}
+
+// Checks the workspace, then initializes and runs the device op `Op` on `stream` (initialize may enqueue a memset of
+// the workspace, which graph capture records too).
+template <class Op, class KernelFn>
+cudaError_t run_cutlass_op(const typename Op::Arguments& args, void* workspace, size_t workspace_bytes,
+                           cudaStream_t stream, KernelFn kernel) {
+  const size_t needed = Op::get_workspace_size(args);
+  if (needed > 0 && (workspace == nullptr || workspace_bytes < needed)) return cudaErrorInvalidValue;
+  Op op;
+  if (op.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return diagnose_launch_failure(kernel);
+  if (op.run(stream) != cutlass::Status::kSuccess) return diagnose_launch_failure(kernel);
+  return cudaSuccess;
+}
+
+}  // namespace kfuse::kernels::detail
+
+// Defines name##_can_implement / _workspace_bytes / _launch for one instance type (relative to
+// kfuse::kernels::detail) that has static can_implement, workspace_bytes and launch.
+#define KFUSE_FIXUP_DEFINE_INSTANCE(name, ...)                                                                  \
+  namespace kfuse::kernels::detail {                                                                            \
+  bool name##_can_implement(const Conv2dProblem& problem, int split_k) {                                       \
+    return __VA_ARGS__::can_implement(problem, split_k);                                                       \
+  }                                                                                                             \
+  size_t name##_workspace_bytes(const Conv2dProblem& problem, int split_k) {                                   \
+    return __VA_ARGS__::workspace_bytes(problem, split_k);                                                     \
+  }                                                                                                             \
+  cudaError_t name##_launch(const Conv2dProblem& problem, const void* x, const void* w, void* y,               \
+                            const FixupEpilogue& epilogue, int split_k, void* workspace, size_t workspace_bytes, \
+                            cudaStream_t stream) {                                                              \
+    return __VA_ARGS__::launch(problem, x, w, y, epilogue, split_k, workspace, workspace_bytes, stream);       \
+  }                                                                                                             \
+  }
