@@ -3,7 +3,8 @@
 #   1. builds libkfuse and the Python extension with that machine's compiler for its Python, linking the CUTLASS
 #      kernel objects prebuilt in .kfuse-dist/ (made by scripts/device_bundle.sh on the build machine, carried);
 #   2. runs the GPU test tier: the C++ GPU tests, pytest, the C++ example, compute-sanitizer memcheck/racecheck;
-#   3. runs the benchmark (`kfuse bench`, results under bench/results/<device>/);
+#   3. tunes the network (`kfuse tune`, bench/results/<device>/tune-resnet-c3.json; the tuning cache lives in
+#      build-gpu/cache, fresh per run) and runs the benchmark (`kfuse bench`, results under bench/results/<device>/);
 #   4. prints a short table last. Logs and results go to $OUT/kfuse-results.tgz when $OUT is set.
 # Usage: bash scripts/gpu_run.sh [--no-bench] [--no-sanitize] [--profile] [-- extra kfuse bench arguments]
 set -uo pipefail
@@ -59,6 +60,10 @@ fi
 # The C++ GPU test binaries came prebuilt; they find this libkfuse here.
 export LD_LIBRARY_PATH="$root/build-gpu/full/src${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
+# A fresh tuning cache per run: the tests tune their geometries on first use, `kfuse tune` retunes the benchmark's.
+export KFUSE_CACHE_DIR="$root/build-gpu/cache"
+rm -rf "$KFUSE_CACHE_DIR"
+
 # 2. GPU tests -----------------------------------------------------------------------------------------------------
 for t in .kfuse-dist/bin/test_*_gpu; do
   name=$(basename "$t")
@@ -74,6 +79,13 @@ else status[pytest]="FAILED: $(tail -1 "$logs/pytest.log")"; grep -E '^(FAILED|E
 example=build-gpu/full/examples/encoder_inference
 if "$example" "" 7 >"$logs/example.log" 2>&1; then status[example]="ok: $(tail -1 "$logs/example.log")"
 else status[example]="FAILED"; tail -5 "$logs/example.log"; fi
+# Tune batch 2 outside the sanitizer (cached), so that the sanitized runs check the tuned kernels, not the tuning.
+"$example" "" 2 >>"$logs/example.log" 2>&1
+# The benchmark's geometry, tuned once here (cached for the profile and the benchmark below).
+if "$py" -m kfuse tune --channels 3 --batch 128 --out bench/results >"$logs/tune.log" 2>&1; then
+  status[tune]="ok: $(grep -m1 'tuned in' "$logs/tune.log")"
+else status[tune]="FAILED"; tail -20 "$logs/tune.log"; fi
+cat "$logs/tune.log" | grep -v '^\[kfuse tune\] \[' | tail -16
 if ((sanitize)) && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     if compute-sanitizer --tool "$tool" --error-exitcode 1 "$example" "" 2 >"$logs/sanitizer-$tool.log" 2>&1; then

@@ -31,9 +31,19 @@ def main():
     engine.set_weights([p.detach().float().cpu() for p in enc.parameters()])
     y = torch.empty(batch, 512, 2, 2, device="cuda", dtype=torch.float16)
     stream = torch.cuda.current_stream().cuda_stream
+    from kfuse.encoder import _param_list
     with torch.no_grad():
         module_us = host_us(lambda: enc(x))
         engine_us = host_us(lambda: engine.forward(x, y, stream))
+        params = _param_list(enc, enc.config)
+        parts = {
+            "param_list": lambda: _param_list(enc, enc.config),
+            "engine lookup + stamp": lambda: enc._gpu_engine(x.device, torch.float16, params),
+            "torch.empty": lambda: torch.empty((batch, 512, 2, 2), dtype=torch.float16, device=x.device),
+            "raw stream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        }
+        for k, f in parts.items():
+            print(f"[profile] host part {k}: {host_us(f):.1f} us")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(200):

@@ -3,6 +3,7 @@
 // a CUDA graph per input geometry and replayed on the caller's stream.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -10,6 +11,7 @@
 
 #include "kfuse/encoder_params.h"
 #include "kfuse/safetensors.h"  // DType
+#include "kfuse/tuner.h"
 
 namespace kfuse {
 
@@ -45,6 +47,18 @@ class EncoderGpu {
   // y = encoder(x), asynchronous on `stream`. x: (N, C, H, W) with any strides, F32/F16/BF16/U8; y: contiguous NCHW
   // (N, out_channels, H/32, W/32) of the precision's dtype or F32. Throws InvalidArgument naming the problem.
   void forward(const DeviceTensorView& x, const DeviceTensorView& y, cudaStream_t stream);
+
+  // Kernel choice per convolution (kfuse/tuner.h). The mode starts as KFUSE_TUNE says (default: tune each new
+  // input geometry's convolutions on first use, unless the tuning cache already knows them; never while the stream
+  // is being captured). kOff runs the built-in heuristic.
+  void set_tuning_mode(TuningMode mode);
+  TuningMode tuning_mode() const;
+  // Tunes every convolution of the (N, H, W) geometry now (mode kOnFirstUse: cached choices are reused; kRetune:
+  // time everything again) and returns one row per convolution. `progress(done, total, row)` follows each one.
+  // Synchronous. Captured graphs of the encoder are rebuilt on their next replay.
+  using TuneProgress = std::function<void(size_t done, size_t total, const OpTuningReport& row)>;
+  std::vector<OpTuningReport> tune(int n, int h, int w, TuningMode mode = TuningMode::kRetune,
+                                   const TuneProgress& progress = nullptr);
 
   // CUDA graphs (default on): one per input geometry (N, H, W, input dtype and strides, output dtype).
   void set_use_graphs(bool on);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,19 @@ struct CandidateReport {
   std::string name;
   double median_ms = 0, min_ms = 0, max_ms = 0;
   bool rejected = false;  // its output disagreed with the reference candidate's
+};
+
+// One op's line in a tuning table (`kfuse tune`, model.tune()): what the heuristic would run, what the tuner chose.
+// Times are medians in ms (NaN where unknown, e.g. cudnn_ms where cuDNN has no equivalent).
+struct OpTuningReport {
+  std::string op, shape, dtype;
+  std::string default_choice, choice;
+  double default_ms = std::numeric_limits<double>::quiet_NaN();
+  double tuned_ms = std::numeric_limits<double>::quiet_NaN();
+  double spread_ms = std::numeric_limits<double>::quiet_NaN();
+  double cudnn_ms = std::numeric_limits<double>::quiet_NaN();
+  bool from_cache = false;
+  std::vector<CandidateReport> candidates;  // empty when the choice came from the cache
 };
 
 struct TuningResult {

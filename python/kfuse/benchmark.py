@@ -280,6 +280,35 @@ def run_gpu(args) -> int:
     return 0
 
 
+def tune_main(args) -> int:
+    """`kfuse tune`: tunes every convolution of the default network per (channels, batch), prints the table and
+    writes bench/results/<device>/tune-resnet-c<C>.json (bench-protocol.md's tuning file)."""
+    if not torch.cuda.is_available() or _C.cuda_device_count() == 0:
+        print(f"[tune] no CUDA device: {GPU_REQUIREMENT}; nothing to tune")
+        return 1
+    dtype = getattr(torch, args.dtype)
+    h, w = args.size
+    for c in args.channels:
+        enc = ResNetEncoder.default_network(in_channels=c).cuda().to(dtype).eval()
+        meta = dict(environment_meta(args.batch[0], args.dtype), channels=c, network=f"resnet-c{c}",
+                    mode=args.mode, batches=args.batch, size=[h, w])
+        rows = []
+        t0 = time.perf_counter()
+        for n in args.batch:
+            print(f"[tune] resnet C={c} N={n} {h}x{w} {args.dtype}")
+            for r in enc.tune(n, h, w, mode=args.mode):
+                rows.append({k: r[k] for k in ("op", "shape", "default_ms", "cudnn_ms", "tuned_ms", "spread_ms")} |
+                            {"choice": r["choice"], "default": r["default"], "from_cache": r["from_cache"],
+                             "candidates": r["candidates"]})
+        total = time.perf_counter() - t0
+        print(f"[tune] C={c}: {len(rows)} convolutions tuned in {total:.1f} s")
+        path = Path(args.out) / device_slug(meta["device"]) / f"tune-resnet-c{c}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": meta, "total_s": round(total, 3), "rows": rows}, indent=1) + "\n")
+        print(f"[tune] wrote {path}")
+    return 0
+
+
 def main(args) -> int:
     if args.cpu or not torch.cuda.is_available():
         return run_cpu(args)

@@ -1,4 +1,5 @@
-"""The `kfuse` command: `kfuse bench` (the benchmark; the CPU reference without a GPU) and `kfuse info`."""
+"""The `kfuse` command: `kfuse bench` (the benchmark; the CPU reference without a GPU), `kfuse tune` (the autotuner
+over a whole network) and `kfuse info`."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ def _bench(args) -> int:
     return benchmark.main(args)
 
 
+def _tune(args) -> int:
+    from . import benchmark
+
+    return benchmark.tune_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results", help="results folder (default: %(default)s)")
     p.add_argument("--cpu", action="store_true", help="run the CPU reference even when a GPU is present")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("tune", help="tune every kernel of the default network on the GPU and cache the choices")
+    p.add_argument("--channels", type=int, nargs="+", default=[3], help="input channels (default: 3)")
+    p.add_argument("--batch", type=int, nargs="+", default=[128], help="batch sizes to tune (default: 128)")
+    p.add_argument("--size", type=int, nargs=2, default=[64, 64], metavar=("H", "W"), help="image size (64 64)")
+    p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    p.add_argument("--mode", choices=["retune", "on"], default="retune",
+                   help="retune: time everything again; on: keep cached choices (default: %(default)s)")
+    p.add_argument("--out", default="bench/results", help="results folder (default: %(default)s)")
+    p.set_defaults(func=_tune)
 
     p = sub.add_parser("info", help="versions, build and CUDA devices")
     p.set_defaults(func=_info)

@@ -6,6 +6,7 @@ torch.autograd.Function, so it trains like any module. CUDA tensors need the fus
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Sequence
 
@@ -14,7 +15,23 @@ from torch import nn
 
 from . import _C, reference
 
-__all__ = ["ResNetEncoder"]
+__all__ = ["ResNetEncoder", "format_tuning_table"]
+
+_NO_AFFINE = ([], [])
+_VERSION = operator.attrgetter("_version")
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def format_tuning_table(rows: list[dict]) -> str:
+    """The tuning table: per op the default kernel's time, the tuned time, the spread and the choice."""
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:8.1f}"
+    lines = [f"{'op':<26} {'shape':<34} {'default us':>10} {'tuned us':>9} {'spread':>7}  choice"]
+    for r in rows:
+        src = " (cached)" if r.get("from_cache") else ""
+        lines.append(f"{r['op']:<26} {r['shape']:<34} {ms(r['default_ms']):>10} {ms(r['tuned_ms']):>9} "
+                     f"{ms(r['spread_ms']):>7}  {r['choice']}{src}")
+    return "\n".join(lines)
 
 
 def _param_list(module: nn.Module, config) -> list[torch.Tensor]:
@@ -146,9 +163,9 @@ class ResNetEncoder(reference.ResNetEncoder):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"ResNetEncoder expects a torch.Tensor, got {type(x).__name__}")
         x = self._as_nchw(x)
-        self._check_input(x)
         if x.device.type == "cuda":
             return self._forward_cuda(x)
+        self._check_input(x)
         if x.device.type != "cpu":
             raise NotImplementedError(f"kfuse.ResNetEncoder runs on CPU and CUDA tensors, not {x.device}")
         params = _param_list(self, self.config)
@@ -179,37 +196,81 @@ class ResNetEncoder(reference.ResNetEncoder):
         return torch.bfloat16 if self.stem[1].weight.dtype == torch.bfloat16 else torch.float16
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        # The hot path of inference: everything here runs per call, so it avoids per-call allocations beyond the
+        # output and re-validates only what can change (the input's geometry is validated once per geometry).
         params = _param_list(self, self.config)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             raise NotImplementedError(
                 "kfuse.ResNetEncoder's CUDA path is inference-only for now (training lands with the fused backward); "
                 "run inference under torch.no_grad() or torch.inference_mode()")
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
-            raise ValueError(f"CUDA input must be float32, float16, bfloat16 or uint8, got {x.dtype}")
-        precision = self._gpu_precision()
+        w_dtype = params[0].dtype
+        key = (x.shape, x.dtype, x.device, w_dtype, params[0].device)
+        cached = self.__dict__.get("_kfuse_last_call")
+        if cached is None or cached[0] != key:
+            self._check_input(x)
+            if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
+                raise ValueError(f"CUDA input must be float32, float16, bfloat16 or uint8, got {x.dtype}")
+            precision = torch.bfloat16 if w_dtype == torch.bfloat16 else torch.float16
+            out_dtype = torch.float32 if w_dtype == torch.float32 else precision
+            out_shape = tuple(_C.output_shape(self.config, list(x.shape)))
+            cached = self.__dict__["_kfuse_last_call"] = (key, precision, out_dtype, out_shape, x.device.index or 0)
+        _, precision, out_dtype, out_shape, index = cached
         entry = self._gpu_engine(x.device, precision, params)
         gpu = entry[0]
-        affine = self._uint8_affine() if x.dtype == torch.uint8 else ([], [])
+        affine = self._uint8_affine() if x.dtype == torch.uint8 else _NO_AFFINE
         if entry[2] != affine:  # changing it recaptures the CUDA graphs: keep it while the input kind stays
             gpu.set_input_affine(*affine)
             entry[2] = affine
-        out_dtype = torch.float32 if self.stem[1].weight.dtype == torch.float32 else precision
-        y = torch.empty(_C.output_shape(self.config, list(x.shape)), dtype=out_dtype, device=x.device)
-        gpu.forward(x, y, torch.cuda.current_stream(x.device).cuda_stream)
+        y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+        gpu.forward(x, y, torch._C._cuda_getCurrentRawStream(index))
         return y
+
+    # -- tuning ----------------------------------------------------------------------------------------------------
+    def tune(self, batch: int = 128, height: int = 64, width: int = 64, mode: str = "retune",
+             device: torch.device | str | None = None, verbose: bool = True) -> list[dict]:
+        """Times every candidate kernel of every convolution of this network at (batch, height, width) on the GPU
+        and keeps the fastest correct one (kfuse's autotuner); choices persist in the tuning cache
+        ($KFUSE_CACHE_DIR, else ~/.cache/kfuse), so later processes start tuned. mode: 'retune' (time again) or
+        'on' (reuse cached choices). Returns one dict per convolution: op, shape, default and chosen kernel, their
+        median times (ms) and the spread; prints a table when verbose."""
+        if mode not in ("on", "retune"):
+            raise ValueError(f"mode must be 'on' or 'retune', got {mode!r}")
+        device = torch.device(device) if device is not None else self.stem[1].weight.device
+        if device.type != "cuda":
+            raise ValueError(f"tuning needs the encoder on a CUDA device (or device='cuda'), got {device}")
+        _C.output_shape(self.config, [batch, self.in_channels, height, width])  # validates the geometry
+        params = _param_list(self, self.config)
+        w_dtype = params[0].dtype
+        precision = torch.bfloat16 if w_dtype == torch.bfloat16 else torch.float16
+        gpu = self._gpu_engine(device, precision, params)[0]
+
+        def progress(done, total, row):
+            if verbose:
+                bar = "#" * (20 * done // total)
+                print(f"\r[kfuse tune] [{bar:<20}] {done}/{total} {row['shape']}", end="" if done < total else "\n",
+                      flush=True)
+
+        rows = gpu.tune(batch, height, width, mode, progress)
+        if verbose:
+            print(format_tuning_table(rows))
+        return rows
 
     def _gpu_engine(self, device: torch.device, precision: torch.dtype, params: list[torch.Tensor]):
         """[engine, weight stamp, input affine] for (device, precision): a cached _C.EncoderGpu whose weights are
         re-packed whenever a parameter changed (new storage or an in-place update)."""
         key = (device.index, precision)
         engines = self.__dict__.setdefault("_gpu_engines", {})
-        stamp = tuple((p.data_ptr(), p._version) for p in params)
+        # A parameter changed when its version moved (in-place update: optimizer step, load_state_dict) or its
+        # storage did (assignment, .data =); the entry keeps the stamped tensors alive, so that an address cannot be
+        # reused by another tensor while the stamp holds it.
+        stamp = (list(map(_DATA_PTR, params)), list(map(_VERSION, params)))
         entry = engines.get(key)
         if entry is None:
             name = "float16" if precision == torch.float16 else "bfloat16"
-            entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0), None, ([], [])]
+            entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0), None, _NO_AFFINE, None]
         if entry[1] != stamp:
             with torch.no_grad():
                 entry[0].set_weights([p.detach().float().cpu().contiguous() for p in params])
             entry[1] = stamp
+            entry[3] = list(params)  # keeps the stamped storages alive
         return entry

@@ -1,6 +1,8 @@
 // kfuse._C: the nanobind binding of libkfuse. Tensors cross as DLPack (nb::ndarray accepts torch tensors and numpy
 // arrays); every check of device, dtype, layout and shape happens here or in the core and names the tensor.
 // No PyTorch header is included: the torch-facing layer is python/kfuse/*.py.
+#include <cmath>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -8,6 +10,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/function.h>
 
 #include "kfuse/checkpoint.h"
 #include "kfuse/device.h"
@@ -177,6 +180,46 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> param_specs_py(const C
 }  // namespace
 }  // namespace kfuse
 
+#if KFUSE_WITH_CUDA
+namespace kfuse {
+namespace {
+TuningMode parse_tuning_mode(const std::string& mode) {
+  if (mode == "off") return TuningMode::kOff;
+  if (mode == "on") return TuningMode::kOnFirstUse;
+  if (mode == "retune") return TuningMode::kRetune;
+  throw InvalidArgument("tuning mode must be 'off', 'on' or 'retune', got '" + mode + "'");
+}
+
+nb::dict report_dict(const OpTuningReport& r) {
+  auto num = [](double v) -> nb::object { return std::isnan(v) ? nb::none() : nb::cast(v); };
+  nb::dict d;
+  d["op"] = r.op;
+  d["shape"] = r.shape;
+  d["dtype"] = r.dtype;
+  d["default"] = r.default_choice;
+  d["choice"] = r.choice;
+  d["default_ms"] = num(r.default_ms);
+  d["tuned_ms"] = num(r.tuned_ms);
+  d["spread_ms"] = num(r.spread_ms);
+  d["cudnn_ms"] = num(r.cudnn_ms);
+  d["from_cache"] = r.from_cache;
+  nb::list cands;
+  for (const auto& c : r.candidates) {
+    nb::dict cd;
+    cd["name"] = c.name;
+    cd["median_ms"] = c.rejected ? nb::none() : nb::cast(c.median_ms);
+    cd["min_ms"] = c.rejected ? nb::none() : nb::cast(c.min_ms);
+    cd["max_ms"] = c.rejected ? nb::none() : nb::cast(c.max_ms);
+    cd["rejected"] = c.rejected;
+    cands.append(cd);
+  }
+  d["candidates"] = cands;
+  return d;
+}
+}  // namespace
+}  // namespace kfuse
+#endif
+
 NB_MODULE(_C, m) {
   using namespace kfuse;
   m.doc() = "kfuse C++ core (CPU reference, checkpoints, device queries, kernels)";
@@ -268,6 +311,27 @@ NB_MODULE(_C, m) {
              e.forward(xv, yv, reinterpret_cast<cudaStream_t>(stream));
            },
            "x"_a, "y"_a, "stream"_a, "y = encoder(x) on the CUDA stream `stream` (an integer handle)")
+      .def("set_tuning_mode", [](EncoderGpu& e, const std::string& mode) { e.set_tuning_mode(parse_tuning_mode(mode)); },
+           "mode"_a, "'off' (heuristic), 'on' (tune new shapes on first use, cached) or 'retune'")
+      .def("tune",
+           [](EncoderGpu& e, int n, int h, int w, const std::string& mode, nb::object progress) {
+             EncoderGpu::TuneProgress cb;
+             if (!progress.is_none())
+               cb = [&](size_t done, size_t total, const OpTuningReport& row) {
+                 nb::gil_scoped_acquire gil;
+                 progress(done, total, report_dict(row));
+               };
+             std::vector<OpTuningReport> rows;
+             {
+               nb::gil_scoped_release release;
+               rows = e.tune(n, h, w, parse_tuning_mode(mode), cb);
+             }
+             nb::list out;
+             for (const auto& r : rows) out.append(report_dict(r));
+             return out;
+           },
+           "n"_a, "h"_a, "w"_a, "mode"_a = "retune", "progress"_a = nb::none(),
+           "Tunes every convolution of the (N, H, W) geometry; one dict per convolution")
       .def("set_use_graphs", &EncoderGpu::set_use_graphs, "on"_a)
       .def_prop_ro("graph_count", &EncoderGpu::graph_count);
 #endif

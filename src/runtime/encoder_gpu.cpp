@@ -8,11 +8,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <map>
+#include <memory>
+#include <set>
 #include <tuple>
 
 #include "kernels/conv/conv_fixup.h"
 #include "kernels/encoder/encoder_kernels.h"
 #include "kfuse/device.h"
+#include "runtime/conv_selection.h"
 #include "kfuse/error.h"
 
 namespace kfuse {
@@ -22,8 +25,8 @@ using kernels::Conv2dProblem;
 using kernels::ConvDType;
 using kernels::ConvTile;
 
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string("kfuse: ") + what + " failed: " + cudaGetErrorString(e));
+void check_cuda(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) throw Error("kfuse: " + what + " failed: " + cudaGetErrorString(e));
 }
 
 // Host float -> fp16 / bf16 bits, round to nearest even (cuda_fp16.h / cuda_bf16.h work in host code).
@@ -216,28 +219,62 @@ struct EncoderGpu::Impl {
     return activations.emplace(g, std::move(act)).first->second;
   }
 
-  // The convolution's CTA tile and split-K (a heuristic until the autotuner chooses): 128x64 tiles for the wide,
-  // shallow early layers; 64x64 elsewhere; split K when the tiles alone would leave most SMs idle.
-  static void choose(const Conv2dProblem& p, ConvTile& tile, int& split_k) {
-    const int64_t m = int64_t(p.n) * p.p() * p.q();
-    tile = (m >= 16384 && p.k <= 64) ? ConvTile::k128x64 : ConvTile::k64x64;
-    const int64_t tiles = (m + (tile == ConvTile::k128x64 ? 127 : 63)) / (tile == ConvTile::k128x64 ? 128 : 64) *
-                          ((p.k + 63) / 64);
-    const int64_t gemm_k = int64_t(p.c) * p.r * p.s;
-    split_k = 1;
-    while (tiles * split_k * 2 <= 132 && gemm_k / (split_k * 2) >= 256 && split_k < 16) split_k *= 2;
+  // Kernel configuration per convolution: the tuner's choice when there is one, else the heuristic.
+  int sm_count = 0;
+  TuningMode tuning_mode = TuningMode::kOnFirstUse;
+  std::map<std::string, ConvConfig> conv_choice;  // conv_shape_key + "/relu" or "/id"
+  std::set<Geometry> tuned;                       // geometries whose convolutions went through the tuner
+  std::unique_ptr<ConvTuningScratch> tuning_scratch;
+  std::unique_ptr<TuningCache> tuning_cache;
+
+  static std::string choice_key(const Conv2dProblem& p, bool relu) {
+    return conv_shape_key(p) + (relu ? "/relu" : "/id");
+  }
+  ConvConfig choose(const Conv2dProblem& p, bool relu) const {
+    const auto it = conv_choice.find(choice_key(p, relu));
+    return it != conv_choice.end() ? it->second : conv_heuristic(p, sm_count);
+  }
+
+  // Tunes the convolutions of geometry g (conv1 with its ReLU epilogue, conv2 and the shortcut without).
+  std::vector<OpTuningReport> tune(const Geometry& g, TuningMode mode, const EncoderGpu::TuneProgress& progress) {
+    if (!tuning_scratch) tuning_scratch = std::make_unique<ConvTuningScratch>();
+    if (!tuning_cache) tuning_cache = std::make_unique<TuningCache>();
+    std::vector<std::pair<Conv2dProblem, bool>> todo;
+    int h = g.h / 4, w = g.w / 4;
+    for (const auto& b : blocks) {
+      const auto probs = problems(b, g.n, h, w);
+      for (size_t j = 0; j < probs.size(); ++j) todo.emplace_back(probs[j], j == 0);
+      h /= b.stride;
+      w /= b.stride;
+    }
+    std::vector<OpTuningReport> rows;
+    bool changed = false;
+    for (const auto& [p, relu] : todo) {
+      OpTuningReport row;
+      const ConvConfig before = choose(p, relu);
+      const ConvConfig c = tuning_scratch->tune(p, dtype, relu, *tuning_cache, mode, row);
+      conv_choice[choice_key(p, relu)] = c;
+      changed = changed || !(c == before);
+      rows.push_back(row);
+      if (progress) progress(rows.size(), todo.size(), rows.back());
+    }
+    tuned.insert(g);
+    if (changed) {  // workspace sizes and captured kernels may be stale; graphs in flight must finish first
+      check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      checked.clear();
+      clear_graphs();
+    }
+    return rows;
   }
 
   void conv(const Conv2dProblem& p, const void* x, size_t w, void* y, const kernels::FixupEpilogue& e,
             cudaStream_t stream) {
-    ConvTile tile;
-    int split_k;
-    choose(p, tile, split_k);
-    const size_t need = kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, tile, split_k);
+    const ConvConfig c = choose(p, e.relu);
+    const size_t need = kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k);
     if (need > conv_workspace_bytes) throw Error("kfuse: conv workspace too small (internal error)");
-    check_cuda(kernels::conv2d_fprop_fixup(p, dtype, tile, x, wptr(w), y, e, split_k, conv_workspace,
+    check_cuda(kernels::conv2d_fprop_fixup(p, dtype, c.tile, x, wptr(w), y, e, c.split_k, conv_workspace,
                                            conv_workspace_bytes, stream),
-               "conv2d_fprop_fixup");
+               "conv2d_fprop_fixup (" + c.name() + ", " + conv_shape_key(p) + ")");
   }
 
   std::map<Geometry, bool> checked;  // geometries whose convolutions were checked and sized
@@ -247,13 +284,13 @@ struct EncoderGpu::Impl {
     size_t need = 0;
     int h = g.h / 4, w = g.w / 4;
     for (const auto& b : blocks) {
-      for (const Conv2dProblem& p : problems(b, g.n, h, w)) {
-        ConvTile tile;
-        int split_k;
-        choose(p, tile, split_k);
-        if (!kernels::conv2d_fprop_fixup_can_implement(p, dtype, tile, split_k))
+      const auto probs = problems(b, g.n, h, w);
+      for (size_t j = 0; j < probs.size(); ++j) {
+        const Conv2dProblem& p = probs[j];
+        const ConvConfig c = choose(p, j == 0);
+        if (!kernels::conv2d_fprop_fixup_can_implement(p, dtype, c.tile, c.split_k))
           throw InvalidArgument("kfuse: the fused conv kernels cannot run block '" + b.prefix + "' at this size");
-        need = std::max(need, kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, tile, split_k));
+        need = std::max(need, kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k));
       }
       h /= b.stride;
       w /= b.stride;
@@ -340,6 +377,8 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
   m.dtype = precision == GpuPrecision::kFloat16 ? ConvDType::kF16 : ConvDType::kBF16;
   m.device = device;
   m.kpad = (16 * config.in_channels + 63) / 64 * 64;
+  m.sm_count = info.sm_count;
+  m.tuning_mode = tuning_mode_from_env();
   Impl::Device scope(device);
   check_cuda(cudaMalloc(reinterpret_cast<void**>(&m.input_affine), 2 * sizeof(float) * config.in_channels),
              "cudaMalloc");
@@ -361,6 +400,17 @@ EncoderGpu::~EncoderGpu() {
 
 const EncoderConfig& EncoderGpu::config() const { return impl_->config; }
 GpuPrecision EncoderGpu::precision() const { return impl_->precision; }
+void EncoderGpu::set_tuning_mode(TuningMode mode) { impl_->tuning_mode = mode; }
+TuningMode EncoderGpu::tuning_mode() const { return impl_->tuning_mode; }
+
+std::vector<OpTuningReport> EncoderGpu::tune(int n, int h, int w, TuningMode mode, const TuneProgress& progress) {
+  Impl& m = *impl_;
+  KFUSE_CHECK(n >= 1, InvalidArgument, "tune: batch must be >= 1, got ", n);
+  m.config.output_shape({n, m.config.in_channels, h, w});  // validates H and W
+  Impl::Device scope(m.device);
+  return m.tune(Geometry{n, h, w}, mode == TuningMode::kOff ? TuningMode::kOnFirstUse : mode, progress);
+}
+
 void EncoderGpu::set_use_graphs(bool on) { impl_->use_graphs = on; }
 size_t EncoderGpu::graph_count() const { return impl_->graphs.size(); }
 
@@ -446,6 +496,12 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
   const Geometry g{int(x.shape[0]), int(x.shape[2]), int(x.shape[3])};
   Impl::Device scope(m.device);
   m.buffers(g);
+  if (!m.tuned.count(g) && m.tuning_mode != TuningMode::kOff) {
+    // Tuning synchronizes and allocates: never inside someone's stream capture (the heuristic runs instead).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+    if (capture == cudaStreamCaptureStatusNone) m.tune(g, m.tuning_mode, nullptr);
+  }
   m.ensure_workspace(g);
 
   kernels::StemArgs stem;

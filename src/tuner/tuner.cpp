@@ -1,6 +1,7 @@
 #include "kfuse/tuner.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -88,7 +89,11 @@ TuningResult tune(TuningCache& cache, const TuningKey& key, const std::vector<st
   r = select_candidate(names, measure, check, default_index, options);
   const CandidateReport& w = r.candidates[r.chosen];
   cache.put(key, {w.name, w.median_ms, w.max_ms - w.min_ms, r.candidates[default_index].median_ms});
-  cache.save();
+  try {
+    cache.save();
+  } catch (const Error& e) {  // an unwritable cache folder costs the persistence, not the tuning result
+    std::fprintf(stderr, "kfuse: warning: tuning result not saved: %s\n", e.what());
+  }
   return r;
 }
 
