@@ -204,17 +204,18 @@ class ResNetEncoder(reference.ResNetEncoder):
                 "kfuse.ResNetEncoder's CUDA path is inference-only for now (training lands with the fused backward); "
                 "run inference under torch.no_grad() or torch.inference_mode()")
         w_dtype = params[0].dtype
-        key = (x.shape, x.dtype, x.device, w_dtype, params[0].device)
-        cached = self.__dict__.get("_kfuse_last_call")
-        if cached is None or cached[0] != key:
+        key = (x.shape, x.stride(), x.dtype, x.device, w_dtype, params[0].device)
+        call = self.__dict__.get("_kfuse_last_call")
+        if call is None or call[0] != key:
             self._check_input(x)
             if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
                 raise ValueError(f"CUDA input must be float32, float16, bfloat16 or uint8, got {x.dtype}")
             precision = torch.bfloat16 if w_dtype == torch.bfloat16 else torch.float16
             out_dtype = torch.float32 if w_dtype == torch.float32 else precision
             out_shape = tuple(_C.output_shape(self.config, list(x.shape)))
-            cached = self.__dict__["_kfuse_last_call"] = (key, precision, out_dtype, out_shape, x.device.index or 0)
-        _, precision, out_dtype, out_shape, index = cached
+            call = [key, precision, out_dtype, out_shape, x.device.index or 0, None, None]
+            self.__dict__["_kfuse_last_call"] = call
+        _, precision, out_dtype, out_shape, index, spec, spec_engine = call
         entry = self._gpu_engine(x.device, precision, params)
         gpu = entry[0]
         affine = self._uint8_affine() if x.dtype == torch.uint8 else _NO_AFFINE
@@ -222,7 +223,12 @@ class ResNetEncoder(reference.ResNetEncoder):
             gpu.set_input_affine(*affine)
             entry[2] = affine
         y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
-        gpu.forward(x, y, torch._C._cuda_getCurrentRawStream(index))
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        if spec is None or spec_engine is not gpu:
+            # First call of this kind: full DLPack validation, kept for the next calls (only pointers change).
+            call[5] = spec = gpu.prepare_call(x, y)
+            call[6] = gpu
+        gpu.run(spec, x.data_ptr(), y.data_ptr(), stream)
         return y
 
     # -- tuning ----------------------------------------------------------------------------------------------------

@@ -190,6 +190,13 @@ TuningMode parse_tuning_mode(const std::string& mode) {
   throw InvalidArgument("tuning mode must be 'off', 'on' or 'retune', got '" + mode + "'");
 }
 
+// The inference hot path's validated call: the input and output views of one (geometry, dtype, strides, device)
+// made once through DLPack; later calls of the same kind pass only the two data pointers (EncoderGpu::forward
+// still checks everything else), which saves the two DLPack exports per call.
+struct CallSpec {
+  DeviceTensorView x, y;
+};
+
 nb::dict report_dict(const OpTuningReport& r) {
   auto num = [](double v) -> nb::object { return std::isnan(v) ? nb::none() : nb::cast(v); };
   nb::dict d;
@@ -287,6 +294,7 @@ NB_MODULE(_C, m) {
         "path"_a, "config"_a, "params"_a, "Saves float32 parameters as an encoder checkpoint (safetensors)");
 
 #if KFUSE_WITH_CUDA
+  nb::class_<CallSpec>(m, "CallSpec", "A validated encoder call (EncoderGpu.prepare_call)");
   nb::class_<EncoderGpu>(m, "EncoderGpu",
                          "The fused CUDA inference path of one encoder on one device (weights, activations, graphs)")
       .def("__init__",
@@ -311,6 +319,19 @@ NB_MODULE(_C, m) {
              e.forward(xv, yv, reinterpret_cast<cudaStream_t>(stream));
            },
            "x"_a, "y"_a, "stream"_a, "y = encoder(x) on the CUDA stream `stream` (an integer handle)")
+      .def("prepare_call",
+           [](EncoderGpu&, const Array& x, const Array& y) { return CallSpec{to_view(x, "input"), to_view(y, "output")}; },
+           "x"_a, "y"_a, "A reusable call for tensors like x and y (same shape, dtype, strides, device)")
+      .def("run",
+           [](EncoderGpu& e, const CallSpec& spec, uintptr_t x, uintptr_t y, uintptr_t stream) {
+             DeviceTensorView xv = spec.x, yv = spec.y;
+             xv.data = reinterpret_cast<void*>(x);
+             yv.data = reinterpret_cast<void*>(y);
+             nb::gil_scoped_release release;
+             e.forward(xv, yv, reinterpret_cast<cudaStream_t>(stream));
+           },
+           "spec"_a, "x_ptr"_a, "y_ptr"_a, "stream"_a,
+           "forward() on the data pointers of tensors like the ones `spec` was prepared with")
       .def("set_tuning_mode", [](EncoderGpu& e, const std::string& mode) { e.set_tuning_mode(parse_tuning_mode(mode)); },
            "mode"_a, "'off' (heuristic), 'on' (tune new shapes on first use, cached) or 'retune'")
       .def("tune",

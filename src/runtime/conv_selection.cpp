@@ -24,13 +24,35 @@ void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw Error(std::string("kfuse: ") + what + " failed: " + cudaGetErrorString(e));
 }
 
-bool is_sm90_tile(ConvTile t) { return t == ConvTile::kSm90_128x64 || t == ConvTile::kSm90_64x64; }
-int tile_m(ConvTile t) { return (t == ConvTile::k128x64 || t == ConvTile::kSm90_128x64) ? 128 : 64; }
+bool is_sm90_tile(ConvTile t) {
+  return t == ConvTile::kSm90_128x64 || t == ConvTile::kSm90_64x64 || t == ConvTile::kSm90_64x64_c2x2 ||
+         t == ConvTile::kSm90_128x64_s4;
+}
+
+struct TileInfo {
+  ConvTile tile;
+  const char* name;  // the cache's spelling: never rename (it would orphan cached choices)
+  int m, n;
+};
+constexpr TileInfo kTiles[] = {
+    {ConvTile::k128x64, "sm80_128x64", 128, 64},      {ConvTile::k64x64, "sm80_64x64", 64, 64},
+    {ConvTile::k64x64x64, "sm80_64x64x64", 64, 64},   {ConvTile::k128x64x64, "sm80_128x64x64", 128, 64},
+    {ConvTile::k64x128, "sm80_64x128", 64, 128},      {ConvTile::k128x128, "sm80_128x128", 128, 128},
+    {ConvTile::k128x64w8, "sm80_128x64w8", 128, 64},  {ConvTile::kSm90_128x64, "sm90_128x64", 128, 64},
+    {ConvTile::kSm90_64x64, "sm90_64x64", 64, 64},    {ConvTile::kSm90_64x64_c2x2, "sm90_64x64_c2x2", 64, 64},
+    {ConvTile::kSm90_128x64_s4, "sm90_128x64_s4", 128, 64},
+};
+const TileInfo& tile_info(ConvTile t) {
+  for (const TileInfo& i : kTiles)
+    if (i.tile == t) return i;
+  throw Error("kfuse: unknown conv tile (internal error)");
+}
 
 int64_t gemm_m(const Conv2dProblem& p) { return int64_t(p.n) * p.p() * p.q(); }
 int64_t gemm_k(const Conv2dProblem& p) { return int64_t(p.c) * p.r * p.s; }
 int64_t tiles(const Conv2dProblem& p, ConvTile t) {
-  return (gemm_m(p) + tile_m(t) - 1) / tile_m(t) * ((p.k + 63) / 64);
+  const TileInfo& i = tile_info(t);
+  return (gemm_m(p) + i.m - 1) / i.m * ((p.k + i.n - 1) / i.n);
 }
 
 float bits_to_float(uint16_t b, ConvDType dt) {
@@ -66,13 +88,8 @@ void upload_random(void* dst, size_t elems, float scale, ConvDType dt, uint32_t 
 }  // namespace
 
 std::string ConvConfig::name() const {
-  switch (tile) {
-    case ConvTile::k128x64: return "sm80_128x64_k" + std::to_string(split_k);
-    case ConvTile::k64x64: return "sm80_64x64_k" + std::to_string(split_k);
-    case ConvTile::kSm90_128x64: return "sm90_128x64";
-    case ConvTile::kSm90_64x64: return "sm90_64x64";
-  }
-  return "unknown";
+  const std::string base = tile_info(tile).name;
+  return is_sm90_tile(tile) ? base : base + "_k" + std::to_string(split_k);
 }
 
 std::string conv_shape_key(const Conv2dProblem& p) {
@@ -99,7 +116,8 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
     out.push_back(c);
   };
   add(conv_heuristic(p, sm_count));
-  for (ConvTile t : {ConvTile::k128x64, ConvTile::k64x64}) {
+  for (ConvTile t : {ConvTile::k128x64, ConvTile::k64x64, ConvTile::k64x64x64, ConvTile::k128x64x64, ConvTile::k64x128,
+                     ConvTile::k128x128, ConvTile::k128x64w8}) {
     // Split K while the slices stay >= 128 deep and the grid stays within ~4 waves.
     for (int s = 1; s <= 16; s *= 2) {
       if (s > 1 && (gemm_k(p) / s < 128 || tiles(p, t) * s > 4 * int64_t(sm_count))) break;
@@ -108,6 +126,8 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
   }
   add({ConvTile::kSm90_128x64, 1});
   add({ConvTile::kSm90_64x64, 1});
+  add({ConvTile::kSm90_64x64_c2x2, 1});
+  add({ConvTile::kSm90_128x64_s4, 1});
   return out;
 }
 

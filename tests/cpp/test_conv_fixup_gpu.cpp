@@ -42,11 +42,18 @@ const Variant kVariants[] = {
     {"f16_64x64", ConvDType::kF16, ConvTile::k64x64},
     {"bf16_128x64", ConvDType::kBF16, ConvTile::k128x64},
     {"bf16_64x64", ConvDType::kBF16, ConvTile::k64x64},
+    {"f16_64x64x64", ConvDType::kF16, ConvTile::k64x64x64},
+    {"f16_128x64x64", ConvDType::kF16, ConvTile::k128x64x64},
+    {"f16_64x128", ConvDType::kF16, ConvTile::k64x128},
+    {"f16_128x128", ConvDType::kF16, ConvTile::k128x128},
+    {"f16_128x64w8", ConvDType::kF16, ConvTile::k128x64w8},
 };
 
 const Variant kSm90Variants[] = {
     {"f16_sm90_128x64", ConvDType::kF16, ConvTile::kSm90_128x64, true},
     {"f16_sm90_64x64", ConvDType::kF16, ConvTile::kSm90_64x64, true},
+    {"f16_sm90_64x64_c2x2", ConvDType::kF16, ConvTile::kSm90_64x64_c2x2, true},
+    {"f16_sm90_128x64_s4", ConvDType::kF16, ConvTile::kSm90_128x64_s4, true},
 };
 
 // Quiet NaN of each dtype: poisons outputs before each launch.
@@ -377,7 +384,9 @@ TEST_P(ConvFixupVariantTest, LauncherReturnsErrorWithoutLaunching) {
 
 INSTANTIATE_TEST_SUITE_P(Kernels, ConvFixupVariantTest,
                          ::testing::Values(&kVariants[0], &kVariants[1], &kVariants[2], &kVariants[3],
-                                           &kSm90Variants[0], &kSm90Variants[1]),
+                                           &kVariants[4], &kVariants[5], &kVariants[6], &kVariants[7],
+                                           &kVariants[8], &kSm90Variants[0], &kSm90Variants[1],
+                                           &kSm90Variants[2], &kSm90Variants[3]),
                          [](const ::testing::TestParamInfo<const Variant*>& info) {
                            return std::string(info.param->name);
                          });
@@ -411,7 +420,7 @@ TEST(ConvFixupCanImplement, RejectsUnsupportedProblems) {
         << "no workspace for a problem that cannot be implemented";
   }
   EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 64, 64, 3, 3, 1, 1), ConvDType::kF16,
-                                                static_cast<ConvTile>(7)))
+                                                static_cast<ConvTile>(99)))
       << "unknown tile";
 }
 

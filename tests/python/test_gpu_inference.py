@@ -146,3 +146,46 @@ def test_training_on_cuda_is_refused_clearly(make_reference):
     enc = kfuse.ResNetEncoder.from_torch(make_reference(in_channels=3, seed=14)).cuda()
     with pytest.raises(NotImplementedError, match="no_grad"):
         enc(torch.rand(1, 3, 32, 32, device="cuda"))
+
+
+def test_misaligned_input_replays_correctly(make_reference):
+    """A view at an odd element offset reuses the graph captured for an aligned tensor of the same shape and
+    strides: the kernels must not have baked the first pointer's alignment in."""
+    ref = make_reference(in_channels=3, seed=21)
+    enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)
+    gen = torch.Generator().manual_seed(22)
+    x = torch.rand(6, 3, 64, 64, generator=gen, dtype=torch.float64)
+    y_ref = reference64(ref, x)
+    flat = torch.empty(x.numel() + 1, dtype=torch.float16, device="cuda")
+    shifted = flat[1:].view(6, 3, 64, 64)
+    shifted.copy_(x)
+    with torch.no_grad():
+        y_aligned = enc(x.half().cuda())
+        y_shifted = enc(shifted)
+    assert rel_err(y_aligned, y_ref) <= TOL
+    assert rel_err(y_shifted, y_ref) <= TOL
+
+
+def test_tune_reports_every_convolution_and_is_cached(make_reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("KFUSE_CACHE_DIR", str(tmp_path))
+    ref = make_reference(in_channels=3, seed=31)
+    enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)
+    rows = enc.tune(batch=8, mode="retune", verbose=False)
+    assert len(rows) == 11  # blocks 2-4 have a shortcut: 2 + 3 * 3 convolutions
+    for r in rows:
+        names = [c["name"] for c in r["candidates"]]
+        assert r["choice"] in names and r["default"] == names[0]
+        # every candidate kernel agreed with the default one on random data (none rejected)
+        assert not any(c["rejected"] for c in r["candidates"]), r
+        assert r["tuned_ms"] is not None and r["default_ms"] is not None
+    assert (tmp_path / "tuning.json").exists()
+    gen = torch.Generator().manual_seed(32)
+    x = torch.rand(8, 3, 64, 64, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        y = enc(x.half().cuda())
+    assert rel_err(y, reference64(ref, x)) <= TOL
+    # A fresh engine (as in a new process) takes every choice from the cache without timing anything.
+    again = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)
+    rows2 = again.tune(batch=8, mode="on", verbose=False)
+    assert all(r["from_cache"] and not r["candidates"] for r in rows2)
+    assert [r["choice"] for r in rows2] == [r["choice"] for r in rows]

@@ -17,27 +17,32 @@ struct Instance {
 #define KFUSE_FIXUP_INSTANCE(name) \
   Instance { detail::name##_can_implement, detail::name##_workspace_bytes, detail::name##_launch }
 
-// nullptr for an enum value outside the declared ones (e.g. cast from an int).
+// nullptr for a (dtype, tile) without an instance, or an enum value outside the declared ones (e.g. cast from an
+// int).
 const Instance* find_instance(ConvDType dtype, ConvTile tile) {
-  static const Instance kF16_128x64 = KFUSE_FIXUP_INSTANCE(fixup_f16_128x64);
-  static const Instance kF16_64x64 = KFUSE_FIXUP_INSTANCE(fixup_f16_64x64);
-  static const Instance kBF16_128x64 = KFUSE_FIXUP_INSTANCE(fixup_bf16_128x64);
-  static const Instance kBF16_64x64 = KFUSE_FIXUP_INSTANCE(fixup_bf16_64x64);
-  static const Instance kF16_Sm90_128x64 = KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_128x64);
-  static const Instance kF16_Sm90_64x64 = KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_64x64);
-  // Hopper tiles: fp16 only; bf16 gets no instance, so can_implement is false and the launch is rejected.
-  if (tile == ConvTile::kSm90_128x64 || tile == ConvTile::kSm90_64x64) {
-    if (dtype != ConvDType::kF16) return nullptr;
-    return tile == ConvTile::kSm90_128x64 ? &kF16_Sm90_128x64 : &kF16_Sm90_64x64;
-  }
-  const bool big = tile == ConvTile::k128x64;
-  if (!big && tile != ConvTile::k64x64) return nullptr;
-  switch (dtype) {
-    case ConvDType::kF16:
-      return big ? &kF16_128x64 : &kF16_64x64;
-    case ConvDType::kBF16:
-      return big ? &kBF16_128x64 : &kBF16_64x64;
-  }
+  struct Entry {
+    ConvDType dtype;
+    ConvTile tile;
+    Instance instance;
+  };
+  static const Entry kTable[] = {
+      {ConvDType::kF16, ConvTile::k128x64, KFUSE_FIXUP_INSTANCE(fixup_f16_128x64)},
+      {ConvDType::kF16, ConvTile::k64x64, KFUSE_FIXUP_INSTANCE(fixup_f16_64x64)},
+      {ConvDType::kBF16, ConvTile::k128x64, KFUSE_FIXUP_INSTANCE(fixup_bf16_128x64)},
+      {ConvDType::kBF16, ConvTile::k64x64, KFUSE_FIXUP_INSTANCE(fixup_bf16_64x64)},
+      {ConvDType::kF16, ConvTile::k64x64x64, KFUSE_FIXUP_INSTANCE(fixup_f16_64x64x64)},
+      {ConvDType::kF16, ConvTile::k128x64x64, KFUSE_FIXUP_INSTANCE(fixup_f16_128x64x64)},
+      {ConvDType::kF16, ConvTile::k64x128, KFUSE_FIXUP_INSTANCE(fixup_f16_64x128)},
+      {ConvDType::kF16, ConvTile::k128x128, KFUSE_FIXUP_INSTANCE(fixup_f16_128x128)},
+      {ConvDType::kF16, ConvTile::k128x64w8, KFUSE_FIXUP_INSTANCE(fixup_f16_128x64w8)},
+      // Hopper tiles: fp16 only.
+      {ConvDType::kF16, ConvTile::kSm90_128x64, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_128x64)},
+      {ConvDType::kF16, ConvTile::kSm90_64x64, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_64x64)},
+      {ConvDType::kF16, ConvTile::kSm90_64x64_c2x2, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_64x64_c2x2)},
+      {ConvDType::kF16, ConvTile::kSm90_128x64_s4, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_128x64_s4)},
+  };
+  for (const Entry& e : kTable)
+    if (e.dtype == dtype && e.tile == tile) return &e.instance;
   return nullptr;
 }
 

@@ -20,13 +20,27 @@ namespace kfuse::kernels {
 
 enum class ConvDType { kF16, kBF16 };
 
-// CTA tile M x N (M = output pixels, N = output channels).
+// CTA tile M x N (M = output pixels, N = output channels), K step 32 unless named.
 //   k128x64, k64x64: CUTLASS 2.x (above), fp16 / bf16, split-K, SASS for sm_80 and sm_90.
+//   k64x64x64, k128x64x64 (K step 64), k64x128, k128x128, k128x64w8 (8 warps): CUTLASS 2.x, fp16 only; more
+//   shapes for the tuner to try on the small, short-K layers where the two tiles above leave SMs underused.
 //   kSm90_*: CUTLASS 3.x Hopper (TMA im2col + wgmma, K tile 64, no cluster), sm_90a SASS only. They need a compute
 //   capability 9.0 device, ConvDType::kF16 and split_k == 1 (can_implement is false otherwise), and stride <= 8
 //   (TMA im2col). can_implement cannot see the device: the caller must check it; on another device the launch
 //   returns cudaErrorInvalidDevice without launching.
-enum class ConvTile { k128x64, k64x64, kSm90_128x64, kSm90_64x64 };
+enum class ConvTile {
+  k128x64,
+  k64x64,
+  kSm90_128x64,
+  kSm90_64x64,
+  k64x64x64,
+  k128x64x64,
+  k64x128,
+  k128x128,
+  k128x64w8,
+  kSm90_64x64_c2x2,  // 2 x 2 cluster, TMA multicast of both operands
+  kSm90_128x64_s4,   // 4 pipeline stages: two CTAs per SM
+};
 
 struct FixupEpilogue {
   const float* alpha = nullptr;

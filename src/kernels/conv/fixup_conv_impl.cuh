@@ -34,7 +34,7 @@ inline cutlass::conv::Conv2dProblemSize make_problem_size(const Conv2dProblem& p
 }
 
 // Element: cutlass::half_t or cutlass::bfloat16_t. CTA tile TileM x 64 x 32 over 2 x 2 warps.
-template <typename Element, int TileM, int WarpM, int Stages>
+template <typename Element, int TileM, int TileN, int TileK, int WarpM, int WarpN, int Stages>
 struct FixupConv {
   using Layout = cutlass::layout::TensorNHWC;
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 8 elements: 16-byte accesses
@@ -43,7 +43,7 @@ struct FixupConv {
 
   using Kernel = typename cutlass::conv::kernel::DefaultConv2dFprop<
       Element, Layout, Element, Layout, Element, Layout, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
-      cutlass::gemm::GemmShape<TileM, 64, 32>, cutlass::gemm::GemmShape<WarpM, 32, 32>,
+      cutlass::gemm::GemmShape<TileM, TileN, TileK>, cutlass::gemm::GemmShape<WarpM, WarpN, TileK>,
       cutlass::gemm::GemmShape<16, 8, 16>, EpilogueOp, cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>,
       Stages, cutlass::arch::OpMultiplyAdd, cutlass::conv::IteratorAlgorithm::kOptimized,
       cutlass::conv::StrideSupport::kUnity, kAlign, kAlign>::Kernel;

@@ -2,4 +2,4 @@
 // 4 stages = 48 KiB of shared memory. See fixup_conv_impl.cuh.
 #include "kernels/conv/fixup_conv_impl.cuh"
 
-KFUSE_FIXUP_DEFINE_INSTANCE(fixup_f16_128x64, fixup_impl::FixupConv<cutlass::half_t, 128, 64, /*Stages=*/4>)
+KFUSE_FIXUP_DEFINE_INSTANCE(fixup_f16_128x64, fixup_impl::FixupConv<cutlass::half_t, 128, 64, 32, 64, 32, /*Stages=*/4>)

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 // Order matters: the conv collective headers use cutlass::KernelHardwareInfo without including it.
 #include "cutlass/cutlass.h"
@@ -45,7 +46,10 @@ inline bool problem_is_sane(const Conv2dProblem& p, int split_k) {
          p.q() > 0 && split_k == 1;
 }
 
-template <int TileM, int TileN>
+// Stages = 0: as many pipeline stages as shared memory holds (one CTA per SM); a fixed count leaves room for more
+// CTAs per SM. A cluster of ClusterM x ClusterN CTAs multicasts the shared operand tiles through TMA, cutting the L2
+// traffic of the late layers, whose small grids re-read the same weights and activations from every CTA.
+template <int TileM, int TileN, int ClusterM = 1, int ClusterN = 1, int Stages = 0>
 struct FixupConvSm90 {
   using Element = cutlass::half_t;
   using ElementAcc = float;
@@ -54,7 +58,7 @@ struct FixupConvSm90 {
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 8 elements = 16 B (TMA)
 
   using TileShape = Shape<Int<TileM>, Int<TileN>, Shape<_64>>;
-  using ClusterShape = Shape<_1, _1, _1>;
+  using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
 
   static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
   using Scalar = fusion::Sm90ScalarBroadcast<ElementCompute>;
@@ -79,8 +83,10 @@ struct FixupConvSm90 {
   using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::conv::Operator::kFprop,
       Element, Layout, kAlign, Element, Layout, kAlign, ElementAcc, TileShape, ClusterShape,
-      cutlass::conv::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      std::conditional_t<Stages == 0,
+                         cutlass::conv::collective::StageCountAutoCarveout<
+                             static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+                         cutlass::conv::collective::StageCount<Stages>>,
       cutlass::conv::collective::KernelScheduleAuto>::CollectiveOp;
 
   using ProblemShape = cutlass::conv::ConvProblemShape<CollectiveMainloop::DispatchPolicy::ConvOp,

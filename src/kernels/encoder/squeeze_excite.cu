@@ -1,6 +1,23 @@
-// Squeeze-excitation and the residual join of one block, one CTA per image: the channel means, both tiny Linear
-// layers and the gate stay in shared memory, and o is read twice from L2 (it was just written by conv2), so the
-// block's tail costs one pass over o and the identity instead of PyTorch's six kernels.
+// Squeeze-excitation and the residual join of one block: the channel means, both tiny Linear layers and the gate stay
+// on chip, so the block's tail costs one pass over o and the identity instead of PyTorch's six kernels.
+//
+// Why this shape. At the hot sizes (N = 128; hw x P = 256x64, 64x128, 16x256, 4x512) an image is 4-32 KB of o, L2
+// resident, and the work is tiny: the old one-CTA-per-image kernel was latency-bound, paying an L2 round trip in each
+// of its serial phases (squeeze, fc1, fc2, excite) and, in block 4, re-reading 128 KB of fp32 FC weights per image
+// in dependent loops. The fast kernel (P in {64, 128, 256, 512}, hidden = P/16, <= 2 16-byte vectors of o per
+// thread) therefore pays one round trip: every thread issues all its loads at the start -- its o and identity
+// vectors (kept in registers for the excite pass, so o is read once), its slice of fc1/fc2 weights and biases (into
+// registers: no big shared-memory opt-in, no re-reads) -- and the phases after that only touch shared memory:
+//   squeeze: o is staged in shared memory as T and summed per column in fixed-order row slices (deterministic);
+//   fc1: one warp per hidden unit, lane-strided float4 columns (conflict-free), a warp reduce-scatter over the G images;
+//   fc2: each thread holds up to 16 contiguous weights of one output channel; sigmoid as before;
+//   excite: from the registers; NCHW output (block 4) is transposed through shared memory for 16-byte stores.
+// Block 4 packs G = 4 images per CTA: its FC weights (the dominant bytes) are then read 32 times instead of 128.
+// Anything else (other P, hidden != P/16, large hw, unaligned output) takes the generic kernel (one CTA per image,
+// streaming, the previous design). No floating-point atomics anywhere: same input -> same bits.
+#include <atomic>
+#include <cstdint>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -10,15 +27,554 @@
 namespace kfuse::kernels {
 namespace {
 
-// 1024 threads: one CTA per image leaves one CTA per SM, so the block itself must keep enough loads in flight.
+// 1024 threads: one CTA per SM (the fast kernel's registers fill the file), so the block itself keeps the loads in
+// flight.
 constexpr int kThreads = 1024;
+constexpr int kMaxVectorsPerThread = 2;      // fast kernel: o / identity vectors cached in registers per thread
+constexpr size_t kDefaultSmem = 48 * 1024;    // dynamic shared memory without the opt-in
+
+// --- conversions between packed storage and fp32 -------------------------------------------------------------------
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) squeeze_excite_kernel(const SqueezeExciteArgs a) {
-  extern __shared__ float smem[];
-  float* mean = smem;               // [p]
-  float* gate = smem + a.p;         // [p]
-  float* hidden = smem + 2 * a.p;   // [hidden]
+__device__ inline float2 pair_to_f2(uint32_t bits);
+template <>
+__device__ inline float2 pair_to_f2<__half>(uint32_t bits) {
+  return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xffffu))),
+                     __half2float(__ushort_as_half(static_cast<unsigned short>(bits >> 16))));
+}
+template <>
+__device__ inline float2 pair_to_f2<__nv_bfloat16>(uint32_t bits) {  // bf16 -> fp32 is exact: the high half
+  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+}
+
+template <class T>
+__device__ inline uint32_t f2_to_pair(float lo, float hi);
+template <>
+__device__ inline uint32_t f2_to_pair<__half>(float lo, float hi) {
+  return uint32_t(__half_as_ushort(__float2half_rn(lo))) | (uint32_t(__half_as_ushort(__float2half_rn(hi))) << 16);
+}
+template <>
+__device__ inline uint32_t f2_to_pair<__nv_bfloat16>(float lo, float hi) {
+  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+         (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+}
+
+template <class T>
+__device__ inline void unpack8(const uint4& u, float (&f)[8]) {
+  float2 p = pair_to_f2<T>(u.x);
+  f[0] = p.x, f[1] = p.y;
+  p = pair_to_f2<T>(u.y);
+  f[2] = p.x, f[3] = p.y;
+  p = pair_to_f2<T>(u.z);
+  f[4] = p.x, f[5] = p.y;
+  p = pair_to_f2<T>(u.w);
+  f[6] = p.x, f[7] = p.y;
+}
+
+template <class T>
+__device__ inline uint4 pack8(const float (&f)[8]) {
+  return make_uint4(f2_to_pair<T>(f[0], f[1]), f2_to_pair<T>(f[2], f[3]), f2_to_pair<T>(f[4], f[5]),
+                    f2_to_pair<T>(f[6], f[7]));
+}
+
+__device__ inline float dot4(float4 w, float4 m, float acc) {
+  acc = fmaf(w.x, m.x, acc);
+  acc = fmaf(w.y, m.y, acc);
+  acc = fmaf(w.z, m.z, acc);
+  return fmaf(w.w, m.w, acc);
+}
+
+// Lane-group reduce-scatter. The lanes that differ only in bits kOff, kOff/2, ..., 1 (a group of 2 kOff lanes) each
+// hold N values; value i is to be summed over the group. While a lane carries more than NOUT = max(1, N / (2 kOff))
+// values, each butterfly step halves them (the lane with the step's bit set keeps the upper half: one shuffle per value
+// kept instead of one per value and step); the remaining bits are summed whole. out[i] is then the group total of value
+// Scatter::base(lane) + i, and every lane that differs only in Scatter::kWhole bits holds the same bits. Fixed pairing,
+// so the result depends only on the inputs.
+__host__ __device__ constexpr int scatter_whole(int n, int off, int nout) {
+  int m = 0;
+  for (; off >= 1; off >>= 1)
+    if (n > nout) n /= 2;
+    else m |= off;
+  return m;
+}
+
+template <int N, int kOff>
+struct Scatter {
+  static constexpr int kLanes = 2 * kOff > 1 ? 2 * kOff : 1;
+  static constexpr int kOut = N > kLanes ? N / kLanes : 1;
+  static_assert((N & (N - 1)) == 0 && (kLanes & (kLanes - 1)) == 0, "powers of two");
+  __device__ static int base(int lane) {
+    int b = 0, n = N;
+#pragma unroll
+    for (int off = kOff; off >= 1; off >>= 1)
+      if (n > kOut) n /= 2, b += (lane & off) ? n : 0;
+    return b;
+  }
+  static constexpr int kWhole = scatter_whole(N, kOff, kOut);  // the bits summed whole
+};
+
+template <int N, int NOUT, int OFF>
+__device__ __forceinline__ void reduce_scatter(const float (&v)[N], float (&out)[NOUT], int lane) {
+  if constexpr (OFF < 1) {
+    static_assert(N == NOUT, "");
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = v[i];
+  } else if constexpr (N == NOUT) {
+    float w[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = v[i] + __shfl_xor_sync(0xffffffffu, v[i], OFF);
+    reduce_scatter<N, NOUT, OFF / 2>(w, out, lane);
+  } else {
+    constexpr int kHalf = N / 2;
+    float w[kHalf];
+    const bool upper = (lane & OFF) != 0;
+#pragma unroll
+    for (int k = 0; k < kHalf; ++k) {
+      const float send = upper ? v[k] : v[k + kHalf];
+      const float keep = upper ? v[k + kHalf] : v[k];
+      w[k] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+    }
+    reduce_scatter<kHalf, NOUT, OFF / 2>(w, out, lane);
+  }
+}
+
+// PyTorch's NaN-keeping ReLU in one instruction (max.NaN: NaN if either operand is NaN), for the fast kernels.
+__device__ __forceinline__ float relu_nan(float v) {
+  float r;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(v));
+  return r;
+}
+
+// --- the fast kernels: shared geometry and phases ------------------------------------------------------------------
+//
+// G images per CTA, P in {64, 128, 256, 512}, hidden H = P / 16. Per CTA, o and the identity are [G*hw][P] of T
+// (contiguous), handled as 16-byte vectors of 8 channels: vector v is row v / (P/8), channels 8 (v % (P/8)) ...
+template <int P, int G>
+struct Geo {
+  static constexpr int H = P / 16;                 // hidden units
+  static constexpr int C4 = P / 4, C8 = P / 8;     // float4 / 8-channel vectors per row
+  static constexpr int kPairs = G * P / 2;         // squeeze: column pairs of the CTA
+  static constexpr int S = kThreads / kPairs;      // squeeze: row slices per column pair
+  static constexpr int S1 = (C4 + 31) / 32;        // fc1: float4 columns per lane
+  static constexpr int F2 = H / 4;                 // fc2: float4 per output channel = lanes per channel
+  static constexpr int K2 = (P * F2 + kThreads - 1) / kThreads;  // fc2: float4 per thread
+  using Scatter1 = Scatter<G, 16>;
+  using Scatter2 = Scatter<G * K2, F2 / 2>;
+  static_assert(P % 64 == 0 && H <= 32 && H % 4 == 0, "P in {64, 128, 256, 512}");
+  static_assert(kThreads % kPairs == 0 && S >= 1, "G * P <= 2 * kThreads, powers of two");
+  static_assert((P * F2) % 32 == 0 && (P * F2 <= kThreads || (P * F2) % kThreads == 0), "fc2 mapping");
+  static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "G a power of two");
+};
+
+// Squeeze: o_pairs is the CTA's o in shared memory ([G*hw][P/2] pairs of T). Thread (slice s, column pair) sums rows
+// s, s + S, ... of one image's column pair; the S slice sums are added in slice order (deterministic). Columns of
+// images past the last (ge < G) read as 0. Writes mean[G][P]; contains a barrier when S > 1 (all threads call it).
+template <class T, int P, int G>
+__device__ __forceinline__ void squeeze_means(const uint32_t* o_pairs, float* colpart, float* mean, int hw, int ge) {
+  using Gm = Geo<P, G>;
+  const int t = threadIdx.x;
+  const int pair = t % Gm::kPairs, s = t / Gm::kPairs;
+  const int g = pair / (P / 2), cp = pair % (P / 2);  // column 2 cp of image g; g * P + 2 cp == 2 pair
+  float2 acc = make_float2(0.f, 0.f);
+  if (g < ge) {
+    const uint32_t* col = o_pairs + size_t(g) * hw * (P / 2) + cp;
+#pragma unroll 4
+    for (int i = s; i < hw; i += Gm::S) {
+      const float2 f = pair_to_f2<T>(col[i * (P / 2)]);
+      acc.x += f.x;
+      acc.y += f.y;
+    }
+  }
+  if constexpr (Gm::S == 1) {
+    reinterpret_cast<float2*>(mean)[pair] = make_float2(acc.x / float(hw), acc.y / float(hw));
+  } else {
+    reinterpret_cast<float2*>(colpart)[s * Gm::kPairs + pair] = acc;
+    __syncthreads();
+    if (t < G * P) {
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < Gm::S; ++k) sum += colpart[k * G * P + t];
+      mean[t] = sum / float(hw);
+    }
+  }
+}
+
+// fc1 + ReLU. Warp j < H holds row j of w1, lane l the float4 columns l, l + 32, ... (conflict-free reads of the
+// means); all G images at once, one reduce-scatter over the warp.
+template <int P, int G>
+__device__ __forceinline__ void fc1(const float4 (&w1r)[Geo<P, G>::S1], float b1r, const float* mean, float* hid) {
+  using Gm = Geo<P, G>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (warp >= Gm::H) return;  // warp-uniform
+  float acc[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) acc[g] = 0.f;
+#pragma unroll
+  for (int s = 0; s < Gm::S1; ++s) {
+    const int col4 = lane + 32 * s;
+    if (Gm::C4 % 32 == 0 || col4 < Gm::C4) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) acc[g] = dot4(w1r[s], reinterpret_cast<const float4*>(mean + g * P)[col4], acc[g]);
+    }
+  }
+  float h[1];
+  reduce_scatter<G, 1, 16>(acc, h, lane);
+  if ((lane & Gm::Scatter1::kWhole) == 0) hid[Gm::Scatter1::base(lane) * Gm::H + warp] = relu_nan(h[0] + b1r);
+}
+
+// fc1's weights of this thread: row `warp` of w1 (zeros elsewhere).
+template <int P, int G, bool kGlobal>
+__device__ __forceinline__ void load_w1(const float* w1, const float* b1, float4 (&w1r)[Geo<P, G>::S1], float& b1r) {
+  using Gm = Geo<P, G>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool on = warp < Gm::H;
+  const float4* row = reinterpret_cast<const float4*>(w1 + (on ? warp : 0) * P);
+#pragma unroll
+  for (int s = 0; s < Gm::S1; ++s) {
+    const int col4 = lane + 32 * s;
+    w1r[s] = on && (Gm::C4 % 32 == 0 || col4 < Gm::C4) ? (kGlobal ? __ldg(row + col4) : row[col4])
+                                                         : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  b1r = on ? (kGlobal ? __ldg(b1 + warp) : b1[warp]) : 0.f;
+}
+
+// fc2's weights of this thread: float4s f = t + k kThreads of w2 (channel f / F2, columns 4 (t % F2) ...: contiguous
+// across the warp), and b2 of the channels this thread will write (see fc2).
+template <int P, int G, bool kGlobal>
+__device__ __forceinline__ void load_w2(const float* w2, const float* b2, float4 (&w2r)[Geo<P, G>::K2],
+                                        float (&b2r)[Geo<P, G>::Scatter2::kOut]) {
+  using Gm = Geo<P, G>;
+  const int t = threadIdx.x;
+#pragma unroll
+  for (int k = 0; k < Gm::K2; ++k) {
+    const int f = t + k * kThreads;
+    const float4* p = reinterpret_cast<const float4*>(w2) + f;
+    w2r[k] = f < P * Gm::F2 ? (kGlobal ? __ldg(p) : *p) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const int base2 = Gm::Scatter2::base(t & 31);
+#pragma unroll
+  for (int i = 0; i < Gm::Scatter2::kOut; ++i) {
+    const int f = t + ((base2 + i) % Gm::K2) * kThreads;
+    b2r[i] = f < P * Gm::F2 ? (kGlobal ? __ldg(b2 + f / Gm::F2) : b2[f / Gm::F2]) : 0.f;
+  }
+}
+
+// fc2 + sigmoid. The F2 lanes of a channel each dot one float4 of its weights with the hidden units, for every image
+// and k; a reduce-scatter over those lanes leaves each lane Scatter2::kOut finished (image, k) sums.
+template <int P, int G>
+__device__ __forceinline__ void fc2(const float4 (&w2r)[Geo<P, G>::K2], const float (&b2r)[Geo<P, G>::Scatter2::kOut],
+                                    const float* hid, float* gate) {
+  using Gm = Geo<P, G>;
+  constexpr int K2 = Gm::K2, F2 = Gm::F2;
+  const int t = threadIdx.x, lane = t & 31;
+  if (t >= P * F2 * K2) return;  // warp-uniform; only threads past the last channel when K2 == 1
+  float part[G * K2];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float4 h4 = reinterpret_cast<const float4*>(hid + g * Gm::H)[t % F2];
+#pragma unroll
+    for (int k = 0; k < K2; ++k) part[g * K2 + k] = dot4(w2r[k], h4, 0.f);
+  }
+  float tot[Gm::Scatter2::kOut];
+  reduce_scatter<G * K2, Gm::Scatter2::kOut, F2 / 2>(part, tot, lane);
+  if ((lane & Gm::Scatter2::kWhole) != 0) return;
+  const int base2 = Gm::Scatter2::base(lane);
+#pragma unroll
+  for (int i = 0; i < Gm::Scatter2::kOut; ++i) {
+    const int j = base2 + i, g = j / K2, f = t + (j % K2) * kThreads;
+    if (f < P * F2) gate[g * P + f / F2] = 1.f / (1.f + __expf(-(tot[i] + b2r[i])));
+  }
+}
+
+// Excite and join of vector v: y = relu(o * gate + identity) -> y, a_next = y + nb1a (global, T) and, for the NCHW
+// output, the stage ([G*hw][P], fp32 or T).
+template <class T, int P>
+__device__ __forceinline__ void excite_vector(const SqueezeExciteArgs& a, int64_t base, int v, int hw, uint4 o8,
+                                              uint4 id8, const float* gate, float nb1a, void* stage) {
+  constexpr int C8 = P / 8;
+  const int row = v / C8, c0 = (v % C8) * 8;
+  const float4* gp = reinterpret_cast<const float4*>(gate + (row / hw) * P + c0);
+  const float4 g0 = gp[0], g1 = gp[1];
+  const float gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+  float of[8], idf[8], y[8];
+  unpack8<T>(o8, of);
+  unpack8<T>(id8, idf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) y[e] = relu_nan(fmaf(of[e], gv[e], idf[e]));
+  if (a.y) reinterpret_cast<uint4*>(static_cast<T*>(a.y) + base)[v] = pack8<T>(y);
+  if (a.a_next) {
+    float an[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) an[e] = y[e] + nb1a;
+    reinterpret_cast<uint4*>(static_cast<T*>(a.a_next) + base)[v] = pack8<T>(an);
+  }
+  if (a.out_nchw) {
+    if (a.out_f32) {
+      float4* d = reinterpret_cast<float4*>(static_cast<float*>(stage) + size_t(row) * P + c0);
+      d[0] = make_float4(y[0], y[1], y[2], y[3]);
+      d[1] = make_float4(y[4], y[5], y[6], y[7]);
+    } else {
+      reinterpret_cast<uint4*>(stage)[v] = pack8<T>(y);
+    }
+  }
+}
+
+// NCHW output from the stage: the CTA's images are one contiguous range of ge * P * hw elements (P % 16 == 0 and a
+// 16-byte aligned out_nchw keep every 16-byte vector aligned); element e = (g * P + c) * hw + i is stage[g*hw + i][c].
+template <class T, int P>
+__device__ __forceinline__ void write_nchw(const SqueezeExciteArgs& a, int64_t base, int hw, int ge, const void* stage) {
+  const int total = ge * P * hw, chw = P * hw, t = threadIdx.x;
+  if (a.out_f32) {
+    const float* st = static_cast<const float*>(stage);
+    float4* out = reinterpret_cast<float4*>(static_cast<float*>(a.out_nchw) + base);
+    for (int e0 = t * 4; e0 < total; e0 += kThreads * 4) {
+      int g = e0 / chw, c = (e0 - g * chw) / hw, i = e0 - g * chw - c * hw;
+      float r[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        r[u] = st[(g * hw + i) * P + c];
+        if (++i == hw) {
+          i = 0;
+          if (++c == P) c = 0, ++g;
+        }
+      }
+      out[e0 / 4] = make_float4(r[0], r[1], r[2], r[3]);
+    }
+  } else {
+    const T* st = static_cast<const T*>(stage);
+    uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(a.out_nchw) + base);
+    for (int e0 = t * 8; e0 < total; e0 += kThreads * 8) {
+      int g = e0 / chw, c = (e0 - g * chw) / hw, i = e0 - g * chw - c * hw;
+      float r[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        r[u] = to_f(st[(g * hw + i) * P + c]);
+        if (++i == hw) {
+          i = 0;
+          if (++c == P) c = 0, ++g;
+        }
+      }
+      out[e0 / 8] = pack8<T>(r);
+    }
+  }
+}
+
+// --- fast kernel, loads through registers (sm_80, and sm_90 when the TMA kernel's shared memory does not fit) -----
+
+// Shared memory, byte offsets (all 16-byte aligned). stage: o of the CTA as T ([G*hw][P]), later y for the NCHW
+// transpose (fp32 or T); colpart: [S][G*P] fp32 (absent when S == 1); mean: [G][P] fp32, then the gate; hid: [G][H].
+struct RegLayout {
+  size_t stage, colpart, mean, hid, total;
+};
+template <int P, int G>
+__host__ __device__ inline RegLayout reg_layout(int hw, bool out_f32) {
+  using Gm = Geo<P, G>;
+  auto up16 = [](size_t b) { return (b + 15) / 16 * 16; };
+  RegLayout l{};
+  l.stage = 0;
+  l.colpart = up16(size_t(G) * hw * P * (out_f32 ? 4 : 2));
+  l.mean = l.colpart + (Gm::S > 1 ? size_t(Gm::S) * G * P * 4 : 0);
+  l.hid = l.mean + size_t(G) * P * 4;
+  l.total = l.hid + up16(size_t(G) * Gm::H * 4);
+  return l;
+}
+
+// V: o / identity vectors per thread, G * hw * P / 8 <= V * kThreads. Every thread issues all its loads up front:
+// o first; then, behind a barrier so that every warp's o requests are queued ahead of them (the squeeze waits for o
+// alone), its fc weights and its identity vectors. o and the identity stay in registers for the excite pass.
+template <class T, int P, int G, int V>
+__global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const SqueezeExciteArgs a) {
+  using Gm = Geo<P, G>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int hw = a.hw;
+  const RegLayout lay = reg_layout<P, G>(hw, a.out_nchw && a.out_f32);
+  T* stage = reinterpret_cast<T*>(smem + lay.stage);
+  float* colpart = reinterpret_cast<float*>(smem + lay.colpart);
+  float* mean = reinterpret_cast<float*>(smem + lay.mean);  // [G][P]; the gate after fc1
+  float* hid = reinterpret_cast<float*>(smem + lay.hid);
+
+  const int t = threadIdx.x;
+  const int img0 = blockIdx.x * G;
+  const int ge = min(G, a.n - img0);  // images of this CTA (the last one may have fewer)
+  const int64_t base = int64_t(img0) * hw * P;
+  const int nvec = ge * hw * Gm::C8;
+  const uint4* o = reinterpret_cast<const uint4*>(static_cast<const T*>(a.o) + base);
+  const uint4* idt = reinterpret_cast<const uint4*>(static_cast<const T*>(a.identity) + base);
+
+  uint4 ov[V], iv[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int v = t + k * kThreads;
+    ov[k] = v < nvec ? __ldg(o + v) : make_uint4(0, 0, 0, 0);
+  }
+  __syncthreads();
+  float4 w1r[Gm::S1], w2r[Gm::K2];
+  float b1r, b2r[Gm::Scatter2::kOut];
+  load_w1<P, G, true>(a.w1, a.b1, w1r, b1r);
+  load_w2<P, G, true>(a.w2, a.b2, w2r, b2r);
+  const float nb1a = a.next_b1a ? __ldg(a.next_b1a) : 0.f;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int v = t + k * kThreads;
+    iv[k] = v < nvec ? __ldg(idt + v) : make_uint4(0, 0, 0, 0);
+  }
+
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int v = t + k * kThreads;
+    if (v < nvec) reinterpret_cast<uint4*>(stage)[v] = ov[k];
+  }
+  __syncthreads();
+  squeeze_means<T, P, G>(reinterpret_cast<const uint32_t*>(stage), colpart, mean, hw, ge);
+  __syncthreads();
+  fc1<P, G>(w1r, b1r, mean, hid);
+  __syncthreads();
+  fc2<P, G>(w2r, b2r, hid, mean);  // the gate overwrites the means: fc1's reads are behind the barrier
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int v = t + k * kThreads;
+    if (v < nvec) excite_vector<T, P>(a, base, v, hw, ov[k], iv[k], mean, nb1a, stage);
+  }
+  if (!a.out_nchw) return;
+  __syncthreads();
+  write_nchw<T, P>(a, base, hw, ge, stage);
+}
+
+// --- fast kernel, loads by bulk copy (sm_90) -----------------------------------------------------------------------
+//
+// One thread issues three bulk copies (cp.async.bulk, the TMA engine) straight into shared memory, each group with its
+// own mbarrier: o, then the fc weights and biases, then the identity. Loads through registers queue in the SM's
+// load/store pipe, and the shared-memory and shuffle instructions of the squeeze and the fc layers queue behind them
+// until nearly all bytes have arrived; bulk copies leave that pipe free, so the squeeze starts as soon as o is in and
+// the identity streams in underneath the squeeze and the fc layers.
+
+// Shared memory, byte offsets (128-byte aligned): 3 mbarriers; o and identity [G*hw][P] of T; w1 [H][P], w2 [P][H],
+// b1 [H], b2 [P]; colpart [S][G*P] (absent when S == 1); mean / gate [G][P]; hid [G][H]; stage for the NCHW output
+// ([G*hw][P], fp32 or T), over the weights (dead by then) when it fits there.
+struct TmaLayout {
+  size_t o, idt, w1, w2, b1, b2, colpart, mean, hid, stage, total;
+};
+template <int P, int G>
+__host__ __device__ inline TmaLayout tma_layout(int hw, bool out, bool out_f32) {
+  using Gm = Geo<P, G>;
+  auto up = [](size_t b) { return (b + 127) / 128 * 128; };
+  const size_t act = size_t(G) * hw * P * 2;
+  TmaLayout l{};
+  l.o = 128;
+  l.idt = l.o + up(act);
+  l.w1 = l.idt + up(act);
+  l.w2 = l.w1 + up(size_t(Gm::H) * P * 4);
+  l.b1 = l.w2 + up(size_t(Gm::H) * P * 4);
+  l.b2 = l.b1 + up(size_t(Gm::H) * 4);
+  l.colpart = l.b2 + up(size_t(P) * 4);
+  l.mean = l.colpart + (Gm::S > 1 ? up(size_t(Gm::S) * G * P * 4) : 0);
+  l.hid = l.mean + up(size_t(G) * P * 4);
+  l.total = l.hid + up(size_t(G) * Gm::H * 4);
+  const size_t stage = out ? act * (out_f32 ? 2 : 1) : 0;
+  if (stage <= l.b2 - l.w1) {
+    l.stage = l.w1;
+  } else {
+    l.stage = l.total;
+    l.total += up(stage);
+  }
+  return l;
+}
+
+template <class T, int P, int G>
+__global__ void __launch_bounds__(kThreads, 1) squeeze_excite_tma_kernel(const SqueezeExciteArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Gm = Geo<P, G>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  auto smem_u32 = [](const void* p) { return uint32_t(__cvta_generic_to_shared(p)); };
+  const int hw = a.hw;
+  const TmaLayout lay = tma_layout<P, G>(hw, a.out_nchw != nullptr, a.out_f32);
+  const uint32_t bar = smem_u32(smem);  // mbarriers: +0 o, +8 weights, +16 identity
+  const int t = threadIdx.x;
+  const int img0 = blockIdx.x * G;
+  const int ge = min(G, a.n - img0);
+  const int64_t base = int64_t(img0) * hw * P;
+  const int nvec = ge * hw * Gm::C8;
+
+  if (t == 0) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar + 8 * i));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (t == 0) {
+    auto expect = [](uint32_t b, uint32_t bytes) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+    };
+    auto copy = [&](unsigned char* dst, const void* src, uint32_t bytes, uint32_t b) {
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                       smem_u32(dst)),
+                   "l"(src), "r"(bytes), "r"(b)
+                   : "memory");
+    };
+    const uint32_t act = uint32_t(nvec) * 16, wb = Gm::H * P * 4;
+    expect(bar, act);
+    copy(smem + lay.o, static_cast<const T*>(a.o) + base, act, bar);
+    expect(bar + 8, 2 * wb + (Gm::H + P) * 4);
+    copy(smem + lay.w1, a.w1, wb, bar + 8);
+    copy(smem + lay.w2, a.w2, wb, bar + 8);
+    copy(smem + lay.b1, a.b1, Gm::H * 4, bar + 8);
+    copy(smem + lay.b2, a.b2, P * 4, bar + 8);
+    expect(bar + 16, act);
+    copy(smem + lay.idt, static_cast<const T*>(a.identity) + base, act, bar + 16);
+  }
+  auto wait = [](uint32_t b) {
+    uint32_t done = 0;
+    while (!done)
+      asm volatile(
+          "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+          : "=r"(done)
+          : "r"(b)
+          : "memory");
+  };
+  float* colpart = reinterpret_cast<float*>(smem + lay.colpart);
+  float* mean = reinterpret_cast<float*>(smem + lay.mean);
+  float* hid = reinterpret_cast<float*>(smem + lay.hid);
+  const float nb1a = a.next_b1a ? __ldg(a.next_b1a) : 0.f;
+
+  wait(bar);
+  squeeze_means<T, P, G>(reinterpret_cast<const uint32_t*>(smem + lay.o), colpart, mean, hw, ge);
+  __syncthreads();
+  wait(bar + 8);
+  {
+    float4 w1r[Gm::S1];
+    float b1r;
+    load_w1<P, G, false>(reinterpret_cast<const float*>(smem + lay.w1), reinterpret_cast<const float*>(smem + lay.b1),
+                         w1r, b1r);
+    fc1<P, G>(w1r, b1r, mean, hid);
+  }
+  __syncthreads();
+  {
+    float4 w2r[Gm::K2];
+    float b2r[Gm::Scatter2::kOut];
+    load_w2<P, G, false>(reinterpret_cast<const float*>(smem + lay.w2), reinterpret_cast<const float*>(smem + lay.b2),
+                         w2r, b2r);
+    fc2<P, G>(w2r, b2r, hid, mean);
+  }
+  __syncthreads();  // also: nothing reads the weights after this, so the stage may overwrite them
+  wait(bar + 16);
+  const uint4* os = reinterpret_cast<const uint4*>(smem + lay.o);
+  const uint4* is = reinterpret_cast<const uint4*>(smem + lay.idt);
+  for (int v = t; v < nvec; v += kThreads) excite_vector<T, P>(a, base, v, hw, os[v], is[v], mean, nb1a, smem + lay.stage);
+  if (!a.out_nchw) return;
+  __syncthreads();
+  write_nchw<T, P>(a, base, hw, ge, smem + lay.stage);
+#endif
+}
+
+// --- the generic kernel (any P % 8 == 0, any hidden, any hw) --------------------------------------------------------
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) squeeze_excite_generic_kernel(const SqueezeExciteArgs a) {
+  extern __shared__ float smem_generic[];
+  float* mean = smem_generic;       // [p]
+  float* gate = smem_generic + a.p;  // [p]
+  float* hidden = smem_generic + 2 * a.p;  // [hidden]
   const int img = blockIdx.x;
   const int64_t base = int64_t(img) * a.hw * a.p;
   const T* o = static_cast<const T*>(a.o) + base;
@@ -66,19 +622,16 @@ __global__ void __launch_bounds__(kThreads) squeeze_excite_kernel(const SqueezeE
     const int64_t e = v * 8;
     const int c0 = int(e % a.p);
     const int i = int(e / a.p);
-    alignas(16) T o8[8], id8[8], y8[8], an8[8];
-    *reinterpret_cast<uint4*>(o8) = *reinterpret_cast<const uint4*>(o + e);
-    *reinterpret_cast<uint4*>(id8) = *reinterpret_cast<const uint4*>(idt + e);
-    float y[8];
+    float of[8], idf[8], y[8], an[8];
+    unpack8<T>(*reinterpret_cast<const uint4*>(o + e), of);
+    unpack8<T>(*reinterpret_cast<const uint4*>(idt + e), idf);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      y[k] = relu_keep_nan(to_f(o8[k]) * gate[c0 + k] + to_f(id8[k]));
-      y8[k] = to_t<T>(y[k]);
-      an8[k] = to_t<T>(y[k] + nb1a);
+      y[k] = relu_keep_nan(of[k] * gate[c0 + k] + idf[k]);
+      an[k] = y[k] + nb1a;
     }
-    if (a.y) *reinterpret_cast<uint4*>(static_cast<T*>(a.y) + base + e) = *reinterpret_cast<const uint4*>(y8);
-    if (a.a_next)
-      *reinterpret_cast<uint4*>(static_cast<T*>(a.a_next) + base + e) = *reinterpret_cast<const uint4*>(an8);
+    if (a.y) *reinterpret_cast<uint4*>(static_cast<T*>(a.y) + base + e) = pack8<T>(y);
+    if (a.a_next) *reinterpret_cast<uint4*>(static_cast<T*>(a.a_next) + base + e) = pack8<T>(an);
     if (a.out_nchw) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -86,10 +639,134 @@ __global__ void __launch_bounds__(kThreads) squeeze_excite_kernel(const SqueezeE
         if (a.out_f32)
           static_cast<float*>(a.out_nchw)[idx] = y[k];
         else
-          static_cast<T*>(a.out_nchw)[idx] = y8[k];
+          static_cast<T*>(a.out_nchw)[idx] = to_t<T>(y[k]);
       }
     }
   }
+}
+
+// --- dispatch --------------------------------------------------------------------------------------------------------
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+struct DeviceProps {
+  int sms = 132, major = 0, smem_optin = 48 * 1024;
+};
+// The current device's SM count, compute capability major and opt-in shared memory per block (cached per device).
+DeviceProps device_props() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices][3];  // 0 = not queried yet
+  DeviceProps p;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return p;
+  }
+  const cudaDeviceAttr attrs[3] = {cudaDevAttrMultiProcessorCount, cudaDevAttrComputeCapabilityMajor,
+                                   cudaDevAttrMaxSharedMemoryPerBlockOptin};
+  int* out[3] = {&p.sms, &p.major, &p.smem_optin};
+  for (int i = 0; i < 3; ++i) {
+    int v = dev < kMaxDevices ? cache[dev][i].load(std::memory_order_relaxed) : 0;
+    if (v <= 0) {
+      if (cudaDeviceGetAttribute(&v, attrs[i], dev) != cudaSuccess || v <= 0) {
+        cudaGetLastError();
+        continue;  // keep the default
+      }
+      if (dev < kMaxDevices) cache[dev][i].store(v, std::memory_order_relaxed);
+    }
+    *out[i] = v;
+  }
+  return p;
+}
+
+// Images per CTA at P = 512, where the FC weights (128 KB fp32, re-read by every CTA) dominate the bytes: one image
+// per CTA is the fastest per CTA, but once the grid needs several waves, packing images costs less than the extra
+// waves. Relative CTA times measured on H100 (P = 512, hw = 4): G = 1 : 2 : 4 ~ 1 : 1.15 : 1.6.
+int images_per_cta_512(int n, int sms) {
+  constexpr int kG[3] = {1, 2, 4};
+  constexpr double kCost[3] = {1.0, 1.15, 1.6};
+  int best = 1;
+  double best_t = 1e30;
+  for (int i = 0; i < 3; ++i) {
+    const int ctas = (n + kG[i] - 1) / kG[i];
+    const double t = double((ctas + sms - 1) / sms) * kCost[i];
+    if (t < best_t) best_t = t, best = kG[i];
+  }
+  return best;
+}
+
+// Register-path fast kernel when its limits hold (<= 2 vectors per thread, default shared memory); false otherwise.
+template <class T, int P, int G>
+bool launch_reg(const SqueezeExciteArgs& a, cudaStream_t stream) {
+  const int64_t per_cta = int64_t(G) * a.hw * (P / 8);
+  if (per_cta > int64_t(kMaxVectorsPerThread) * kThreads) return false;
+  const size_t smem = reg_layout<P, G>(a.hw, a.out_nchw && a.out_f32).total;
+  if (smem > kDefaultSmem) return false;
+  const int grid = (a.n + G - 1) / G;
+  if (per_cta <= kThreads)
+    squeeze_excite_reg_kernel<T, P, G, 1><<<grid, kThreads, smem, stream>>>(a);
+  else
+    squeeze_excite_reg_kernel<T, P, G, 2><<<grid, kThreads, smem, stream>>>(a);
+  return true;
+}
+
+// Bulk-copy fast kernel (compute capability 9.x) when its shared memory fits; false otherwise.
+template <class T, int P, int G>
+bool launch_tma(const SqueezeExciteArgs& a, const DeviceProps& d, cudaStream_t stream) {
+  if (d.major != 9 || !aligned16(a.b1) || !aligned16(a.b2)) return false;
+  const size_t smem = tma_layout<P, G>(a.hw, a.out_nchw != nullptr, a.out_f32).total;
+  if (smem > size_t(d.smem_optin)) return false;
+  const auto kernel = squeeze_excite_tma_kernel<T, P, G>;
+  if (smem > kDefaultSmem) {
+    static std::atomic<uint64_t> opted{0};  // devices (bit per ordinal < 64) where the opt-in is set
+    int dev = 0;
+    cudaGetDevice(&dev);
+    const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+    if (!bit || !(opted.load(std::memory_order_relaxed) & bit)) {
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, d.smem_optin) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+      }
+      opted.fetch_or(bit, std::memory_order_relaxed);
+    }
+  }
+  kernel<<<(a.n + G - 1) / G, kThreads, smem, stream>>>(a);
+  return true;
+}
+
+template <class T, int P, int G>
+bool launch_fast_g(const SqueezeExciteArgs& a, const DeviceProps& d, cudaStream_t stream) {
+  return launch_tma<T, P, G>(a, d, stream) || launch_reg<T, P, G>(a, stream);
+}
+
+template <class T>
+bool launch_fast(const SqueezeExciteArgs& a, cudaStream_t stream) {
+  if (a.hidden * 16 != a.p) return false;
+  if (!aligned16(a.o) || !aligned16(a.identity) || !aligned16(a.w1) || !aligned16(a.w2) ||
+      (a.y && !aligned16(a.y)) || (a.a_next && !aligned16(a.a_next)) || (a.out_nchw && !aligned16(a.out_nchw)))
+    return false;
+  const DeviceProps d = device_props();
+  switch (a.p) {
+    case 64: return launch_fast_g<T, 64, 1>(a, d, stream);
+    case 128: return launch_fast_g<T, 128, 1>(a, d, stream);
+    case 256: return launch_fast_g<T, 256, 1>(a, d, stream);
+    case 512: {
+      const int g = images_per_cta_512(a.n, d.sms);  // each falls back to fewer images when hw is too large
+      return (g >= 4 && launch_fast_g<T, 512, 4>(a, d, stream)) || (g >= 2 && launch_fast_g<T, 512, 2>(a, d, stream)) ||
+             launch_fast_g<T, 512, 1>(a, d, stream);
+    }
+    default: return false;
+  }
+}
+
+template <class T>
+cudaError_t launch_typed(const SqueezeExciteArgs& a, cudaStream_t stream) {
+  if (launch_fast<T>(a, stream)) return cudaGetLastError();
+  const int slices = a.p >= kThreads ? 1 : kThreads / a.p;
+  const size_t smem = sizeof(float) * (2 * size_t(a.p) + a.hidden + size_t(slices) * a.p);
+  if (smem > kDefaultSmem) return cudaErrorInvalidValue;
+  squeeze_excite_generic_kernel<T><<<a.n, kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -98,14 +775,7 @@ cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& a, ConvDType dtype, c
   if (!a.o || !a.identity || !a.w1 || !a.b1 || !a.w2 || !a.b2 || a.n <= 0 || a.hw <= 0 || a.p % 8 || a.hidden <= 0 ||
       (a.a_next && !a.next_b1a) || (!a.y && !a.a_next && !a.out_nchw))
     return cudaErrorInvalidValue;
-  const int slices = a.p >= kThreads ? 1 : kThreads / a.p;
-  const size_t smem = sizeof(float) * (2 * size_t(a.p) + a.hidden + size_t(slices) * a.p);
-  if (smem > 48 * 1024) return cudaErrorInvalidValue;
-  if (dtype == ConvDType::kF16)
-    squeeze_excite_kernel<__half><<<a.n, kThreads, smem, stream>>>(a);
-  else
-    squeeze_excite_kernel<__nv_bfloat16><<<a.n, kThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return dtype == ConvDType::kF16 ? launch_typed<__half>(a, stream) : launch_typed<__nv_bfloat16>(a, stream);
 }
 
 }  // namespace kfuse::kernels

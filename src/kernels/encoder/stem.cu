@@ -1,7 +1,27 @@
-// The fused stem: space-to-depth(4) + 1x1 conv + ReLU as one tensor-core GEMM (WMMA 16x16x16) whose A operand is
-// gathered straight from the caller's input layout and dtype, so no reordered copy of the input is ever written.
-// K = 16C is small (48 for RGB), so a CTA stages a 64-pixel x 64-k slice of A and a 64 x 64 slice of W per step.
-#include <mma.h>
+// The fused stem: space-to-depth(4) + 1x1 conv + ReLU as one tensor-core GEMM (mma.sync m16n8k16, fp32 accumulate)
+// whose A operand is gathered straight from the caller's input layout and dtype, so no reordered copy of the input is
+// ever written. GEMM view: M = N*(H/4)*(W/4) pixels, N = P0 channels, K = 16C (48 for RGB).
+//
+// Why it looks the way it does (the kernel is memory-bound: ~96 B read and 256 B written per pixel at C = 3, P0 = 64):
+// - A never touches shared memory. The K order inside each 16-wide k-step is permuted (the sum does not care, and the
+//   staged B rows get the same permutation) so that one lane's A fragment for one pixel is exactly the 4 dx values of
+//   one (c, dy) "unit": a single 8-byte load for fp16 NCHW (16 B fp32, 4 B uint8), straight into mma registers, no
+//   conversion when the input dtype is T and there is no affine. 16C is a multiple of 16, so K is never padded and
+//   the number of k-steps is exactly C (3 for RGB, not 4 as with the old 64-padding).
+// - The output-channel order of B is permuted too, so that a lane's accumulators for one pixel are 8 consecutive
+//   channels (no shuffle, no shared-memory staging): the epilogue writes 16-byte vectors, 64 contiguous bytes per
+//   pixel per warp instruction, x0 and a0 from the same fp32 value.
+// - B (the weight, kpad x p0 in global memory, rows >= 16C ignored) is staged once per CTA (per 16 k-steps) into
+//   shared memory already laid out as per-lane fragments: one conflict-free 16-byte lds feeds two mma.
+// - Index math (two 32-bit divisions) once per pixel, not per element; the unit's (c, dy) once per k-step.
+// - The input dtype and T are template parameters (host dispatch in launch_stem); C = 3 and C = 1 are specialised
+//   (compile-time unit decode; all A loads of a warp issued back to back before the first mma). The vector-load
+//   condition depends on the input pointer and is evaluated in the kernel: the encoder's CUDA graph patches a new x
+//   into the captured StemArgs (the kernel must keep taking exactly one StemArgs by value), and the new pointer may be
+//   less aligned than the captured one.
+// - 128 pixels x 64 channels per CTA, 4 warps of 32 pixels each (B fragments loaded once per k-step serve 2 m-tiles).
+#include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -12,112 +32,375 @@
 namespace kfuse::kernels {
 namespace {
 
-constexpr int kTileM = 64;   // output pixels per CTA
-constexpr int kTileN = 64;   // output channels per CTA
-constexpr int kTileK = 64;
-constexpr int kThreads = 128;  // 4 warps, each 16 pixels x 64 channels
-constexpr int kPad = 8;        // row padding (elements) against shared-memory bank conflicts
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMTiles = 2;                   // m16 tiles per warp
+constexpr int kWarpPixels = 16 * kMTiles;    // 32
+constexpr int kTileM = kWarps * kWarpPixels;  // 128 output pixels per CTA
+constexpr int kTileN = 64;                   // output channels per CTA: 8 n8 tiles
+constexpr int kChunkSteps = 16;              // k-steps (of 16) whose B fragments are staged at once: 32 KB
 
-__device__ float load_input(const StemArgs& a, int64_t offset) {
-  switch (a.x_dtype) {
-    case InputDType::kF32: return static_cast<const float*>(a.x)[offset];
-    case InputDType::kF16: return __half2float(static_cast<const __half*>(a.x)[offset]);
-    case InputDType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(a.x)[offset]);
-    case InputDType::kU8: return static_cast<float>(static_cast<const uint8_t*>(a.x)[offset]);
+// ---- the two permutations (shared by the B staging and the lanes; host-callable for tests) ----------------------
+// Unit u in [0, 4C) is the (dy, c) pair u = dy*C + c; k-step s holds units 4s..4s+3; within a k-step, lane quad
+// position q takes unit 4s+q and the fragment's k slots {2q, 2q+1, 2q+8, 2q+9} hold dx = 0, 1, 2, 3.
+// The weight row of (unit u, dx) in the caller's order k = dy*4C + dx*C + c:
+__host__ __device__ constexpr int stem_weight_row(int u, int dx, int c_count) {
+  return (u / c_count) * 4 * c_count + dx * c_count + u % c_count;
+}
+// Column n (0..7) of n8 tile t (0..7) holds local output channel (t/4)*32 + (n/2)*8 + (t%4)*2 + n%2, so that the
+// accumulator pair {2q, 2q+1} of tiles t = 4b..4b+3 is channels 32b + 8q .. 32b + 8q + 7, in order.
+__host__ __device__ constexpr int stem_channel(int t, int n) {
+  return (t >> 2) * 32 + (n >> 1) * 8 + (t & 3) * 2 + (n & 1);
+}
+// Where (in 16-bit elements from the start of k-step sl's 2 KB) the staged B value of (quad position q, dx) and local
+// channel lc goes: fragments [tile pair tp][lane][4 x 32 bits] = {b01(t=2tp), b23(t=2tp), b01(t=2tp+1), b23(t=2tp+1)},
+// lane = 4 * n + q with n the column in the tile.
+__host__ __device__ constexpr int stem_tile_of(int lc) { return ((lc >> 5) << 2) | ((lc >> 1) & 3); }
+__host__ __device__ constexpr int stem_col_of(int lc) { return (((lc >> 3) & 3) << 1) | (lc & 1); }
+__host__ __device__ constexpr int stem_b_slot(int q, int dx, int lc) {
+  const int t = stem_tile_of(lc), n = stem_col_of(lc);
+  return ((t >> 1) * 32 + n * 4 + q) * 8 + ((t & 1) * 2 + (dx >> 1)) * 2 + (dx & 1);
+}
+// Compile-time proof that the permutations are what the staging and the epilogue assume.
+constexpr bool stem_permutations_ok() {
+  for (int lc = 0; lc < 64; ++lc)
+    if (stem_channel(stem_tile_of(lc), stem_col_of(lc)) != lc) return false;  // inverse
+  for (int t = 0; t < 8; ++t)  // epilogue: accumulator pair {2q, 2q+1} of tile 4b + tt is channel 32b + 8q + 2tt + e
+    for (int n = 0; n < 8; ++n)
+      if (stem_channel(t, n) != 32 * (t >> 2) + 8 * (n >> 1) + 2 * (t & 3) + (n & 1)) return false;
+  for (int c = 1; c <= 12; ++c) {  // (unit, dx) -> weight row is a bijection onto [0, 16C)
+    int hits[16 * 12] = {};
+    for (int u = 0; u < 4 * c; ++u)
+      for (int dx = 0; dx < 4; ++dx) {
+        const int k = stem_weight_row(u, dx, c);
+        if (k < 0 || k >= 16 * c || hits[k]++) return false;
+      }
   }
-  return 0.f;
+  bool slot[4 * 32 * 8] = {};  // (q, dx, lc) -> slot is a bijection onto one k-step's 1024 elements
+  for (int q = 0; q < 4; ++q)
+    for (int dx = 0; dx < 4; ++dx)
+      for (int lc = 0; lc < 64; ++lc) {
+        const int o = stem_b_slot(q, dx, lc);
+        if (o < 0 || o >= 1024 || slot[o]) return false;
+        slot[o] = true;
+      }
+  return true;
+}
+static_assert(stem_permutations_ok());
+
+// ---- element helpers ---------------------------------------------------------------------------------------------
+template <class T>
+__device__ __forceinline__ uint32_t t_bits(T v) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __half_as_ushort(v);
+  else
+    return __bfloat16_as_ushort(v);
+}
+// Two round-to-nearest conversions (as to_t<T>) in one cvt.rn.{f16,bf16}x2; lo at the lower address / lower k.
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// The 4 dx values of one (pixel, unit) are kept as sizeof(E) 32-bit words (fp32: 4, fp16 / bf16: 2, uint8: 1), element
+// dx at bits 8 * sizeof(E) * dx of the little-endian concatenation: exactly what one aligned vector load returns.
+template <class E>
+constexpr int kRawWords = int(sizeof(E));
+
+template <class E>
+__device__ __forceinline__ void load_raw_vec(const E* p, uint32_t (&w)[kRawWords<E>]) {  // p aligned to 4 elements
+  if constexpr (sizeof(E) == 4) {
+    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+    w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w;
+  } else if constexpr (sizeof(E) == 2) {
+    const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = r.x, w[1] = r.y;
+  } else {
+    w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+  }
+}
+
+template <class E>
+__device__ __forceinline__ void load_raw_strided(const E* p, int64_t stride, uint32_t (&w)[kRawWords<E>]) {
+  if constexpr (sizeof(E) == 4) {
+#pragma unroll
+    for (int dx = 0; dx < 4; ++dx) w[dx] = __ldg(reinterpret_cast<const unsigned int*>(p + dx * stride));
+  } else if constexpr (sizeof(E) == 2) {
+    const unsigned short* p16 = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      w[i] = uint32_t(__ldg(p16 + 2 * i * stride)) | (uint32_t(__ldg(p16 + (2 * i + 1) * stride)) << 16);
+  } else {
+    const unsigned char* p8 = reinterpret_cast<const unsigned char*>(p);
+    w[0] = uint32_t(__ldg(p8)) | (uint32_t(__ldg(p8 + stride)) << 8) | (uint32_t(__ldg(p8 + 2 * stride)) << 16) |
+           (uint32_t(__ldg(p8 + 3 * stride)) << 24);
+  }
+}
+
+template <class E>
+__device__ __forceinline__ float raw_elem(const uint32_t (&w)[kRawWords<E>], int dx) {  // dx: compile-time after unroll
+  if constexpr (std::is_same_v<E, float>) {
+    return __uint_as_float(w[dx]);
+  } else if constexpr (std::is_same_v<E, __half>) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(w[dx >> 1] >> (16 * (dx & 1)))));
+  } else if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(w[dx >> 1] >> (16 * (dx & 1)))));
+  } else {
+    return static_cast<float>((w[0] >> (8 * dx)) & 0xffu);
+  }
+}
+
+// D += A * B, m16n8k16, fp32 accumulators.
+template <class T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Stages k-steps [s0, s0 + ns) of the weight (columns n0 .. n0 + 63, zero past p0) into bs as per-lane fragments.
+template <class T>
+__device__ __forceinline__ void stage_b(const StemArgs& a, int c_count, int s0, int ns, int n0, uint4* bs) {
+  const T* w = static_cast<const T*>(a.weight);
+  const bool wvec = (reinterpret_cast<uintptr_t>(w) & 15) == 0;  // p0 % 8 == 0 keeps every row 16-byte aligned then
+  uint16_t* b16 = reinterpret_cast<uint16_t*>(bs);
+  const int items = ns * 16 * 8;  // (unit, dx) rows x 8-channel chunks
+  for (int i = threadIdx.x; i < items; i += kThreads) {
+    const int chunk = i & 7, ud = i >> 3;  // consecutive threads: consecutive 16 bytes of one weight row
+    const int dx = ud & 3, ul = ud >> 2;   // unit within the staged k-steps
+    const int u = 4 * s0 + ul;
+    const int col = n0 + 8 * chunk;
+    uint32_t v[4] = {0u, 0u, 0u, 0u};
+    if (col < a.p0) {
+      const T* src = w + int64_t(stem_weight_row(u, dx, c_count)) * a.p0 + col;
+      if (wvec) {
+        const uint4 r = __ldg(reinterpret_cast<const uint4*>(src));
+        v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = t_bits(src[2 * j]) | (t_bits(src[2 * j + 1]) << 16);
+      }
+    }
+    uint16_t* dst = b16 + (ul >> 2) * (4 * 32 * 8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      dst[stem_b_slot(ul & 3, dx, 8 * chunk + j)] = static_cast<uint16_t>(v[j >> 1] >> (16 * (j & 1)));
+  }
+}
+
+// kC > 0: C known at compile time (all k-steps in one batch); kC == 0: C = a.c, k-steps in batches of 4.
+template <class T, class E, int kC>
+__global__ void __launch_bounds__(kThreads) stem_kernel(const StemArgs a) {
+  constexpr int kBatch = kC > 0 ? kC : 4;
+  constexpr int kSmemSteps = kC > 0 && kC < kChunkSteps ? kC : kChunkSteps;
+  static_assert(kChunkSteps % kBatch == 0 || kC > 0, "B chunks must start on batch boundaries");
+  static_assert(kC <= kChunkSteps, "a compile-time C must fit one staged chunk");
+  __shared__ uint4 bs[kSmemSteps * 4 * 32];
+
+  const int c_count = kC > 0 ? kC : a.c;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int wo = a.w >> 2, hw = (a.h >> 2) * wo;
+  const int m_total = a.n * hw;  // launch_stem guarantees it (plus a tile) fits in int
+  const int m_warp = blockIdx.x * kTileM + warp * kWarpPixels;
+  const int n0 = blockIdx.y * kTileN;
+  const E* x = static_cast<const E*>(a.x);
+  const bool affine = a.in_scale != nullptr;
+  const float b1a = a.b1a ? *a.b1a : 0.f;  // block 1's scalar, read from device memory (graph replays see updates)
+  // One vector load per (pixel, unit) when the 4 dx values are contiguous and aligned: stride_w == 1 and every other
+  // term of the offset (stride * index, with 4 | 4i, 4j) a multiple of 4 elements.
+  const bool vec = a.stride_w == 1 && (reinterpret_cast<uintptr_t>(x) % (4 * sizeof(E))) == 0 &&
+                   (a.n == 1 || a.stride_n % 4 == 0) && (c_count == 1 || a.stride_c % 4 == 0) && a.stride_h % 4 == 0;
+
+  // The lane's 4 pixels: rows g and g + 8 of the warp's two m16 tiles.
+  int64_t pix_off[kMTiles][2];
+  bool pix_ok[kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m_warp + mt * 16 + h * 8 + g;
+      pix_ok[mt][h] = m < m_total;
+      const unsigned mm = pix_ok[mt][h] ? unsigned(m) : 0u;
+      const unsigned img = mm / unsigned(hw), rem = mm - img * unsigned(hw);
+      const unsigned oi = rem / unsigned(wo), oj = rem - oi * unsigned(wo);
+      pix_off[mt][h] = int64_t(img) * a.stride_n + int64_t(4 * oi) * a.stride_h + int64_t(4 * oj) * a.stride_w;
+    }
+
+  float acc[kMTiles][8][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][t][r] = 0.f;
+
+  for (int s0 = 0; s0 < c_count; s0 += kBatch) {
+    // Raw A data of k-steps s0 .. s0 + kBatch - 1, all loads issued back to back (straight-line code: pixels past
+    // the end read pixel 0 and are zeroed below), before the B staging so that both latencies overlap; conversion
+    // only after the barrier.
+    uint32_t raw[kBatch][kMTiles][2][kRawWords<E>];
+    float sc[kBatch], sh[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int s = s0 + i;
+      const bool step_ok = kC > 0 || s < c_count;
+      const int u = step_ok ? 4 * s + q : q;  // keeps the scale / shift index in range
+      const int c = u % c_count, dy = u / c_count;
+      const int64_t uoff = int64_t(c) * a.stride_c + int64_t(dy) * a.stride_h;
+      sc[i] = 1.f, sh[i] = 0.f;
+      if (affine) sc[i] = __ldg(a.in_scale + c), sh[i] = __ldg(a.in_shift + c);
+      if (!step_ok) {  // uniform (generic C only)
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int r = 0; r < kRawWords<E>; ++r) raw[i][mt][h][r] = 0u;
+      } else if (vec) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) load_raw_vec(x + pix_off[mt][h] + uoff, raw[i][mt][h]);
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) load_raw_strided(x + pix_off[mt][h] + uoff, a.stride_w, raw[i][mt][h]);
+      }
+    }
+
+    if (s0 % kChunkSteps == 0) {  // (re)stage B for k-steps s0 .. s0 + 15
+      if (s0 > 0) __syncthreads();
+      stage_b<T>(a, c_count, s0, min(c_count - s0, kSmemSteps), n0, bs);
+      __syncthreads();
+    }
+
+    // A fragments (the K permutation): a[0]: pixel g, dx 0-1; a[1]: pixel g+8, dx 0-1; a[2], a[3]: the same, dx 2-3.
+    uint32_t af[kBatch][kMTiles][4];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const bool step_ok = kC > 0 || s0 + i < c_count;
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t lo, hi;
+          bool done = false;
+          if constexpr (std::is_same_v<E, T>) {
+            if (!affine) {  // the input already is T: its bits are the fragment
+              lo = raw[i][mt][h][0], hi = raw[i][mt][h][1], done = true;
+            }
+          }
+          if (!done) {
+            float v[4];
+#pragma unroll
+            for (int dx = 0; dx < 4; ++dx) v[dx] = raw_elem<E>(raw[i][mt][h], dx);
+            if (affine) {
+#pragma unroll
+              for (int dx = 0; dx < 4; ++dx) v[dx] = v[dx] * sc[i] + sh[i];
+            }
+            lo = pack2<T>(v[0], v[1]);
+            hi = pack2<T>(v[2], v[3]);
+          }
+          const bool ok = step_ok && pix_ok[mt][h];
+          af[i][mt][h] = ok ? lo : 0u;
+          af[i][mt][2 + h] = ok ? hi : 0u;
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int s = s0 + i;
+      if (kC == 0 && s >= c_count) break;
+      const uint4* bstep = bs + (s % kChunkSteps) * (4 * 32);
+#pragma unroll
+      for (int tp = 0; tp < 4; ++tp) {
+        const uint4 b = bstep[tp * 32 + lane];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma16816<T>(acc[mt][2 * tp], af[i][mt], b.x, b.y);
+          mma16816<T>(acc[mt][2 * tp + 1], af[i][mt], b.z, b.w);
+        }
+      }
+    }
+  }
+
+  // Epilogue: lane (g, q) holds, for pixel row g (+8), channels 32b + 8q .. +7 in tiles 4b .. 4b+3: one 16-byte store
+  // per (pixel, b) and output. p0 % 8 == 0 keeps each vector inside one pixel's row.
+  T* x0 = static_cast<T*>(a.x0);
+  T* a0 = static_cast<T*>(a.a0);
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m_warp + mt * 16 + h * 8 + g;
+      if (m >= m_total) continue;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int col = n0 + 32 * b + 8 * q;
+        if (col >= a.p0) continue;
+        uint32_t xw[4], aw[4];
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+          const float v0 = relu_keep_nan(acc[mt][4 * b + tt][2 * h]);
+          const float v1 = relu_keep_nan(acc[mt][4 * b + tt][2 * h + 1]);
+          xw[tt] = pack2<T>(v0, v1);
+          aw[tt] = pack2<T>(v0 + b1a, v1 + b1a);
+        }
+        const int64_t off = int64_t(m) * a.p0 + col;
+        *reinterpret_cast<uint4*>(x0 + off) = make_uint4(xw[0], xw[1], xw[2], xw[3]);
+        if (a0) *reinterpret_cast<uint4*>(a0 + off) = make_uint4(aw[0], aw[1], aw[2], aw[3]);
+      }
+    }
+}
+
+template <class T, class E>
+void launch_typed(const StemArgs& a, dim3 grid, cudaStream_t stream) {
+  if (a.c == 3)  // RGB: the workload that matters
+    stem_kernel<T, E, 3><<<grid, kThreads, 0, stream>>>(a);
+  else if (a.c == 1)  // depth / grey (benchmarked too)
+    stem_kernel<T, E, 1><<<grid, kThreads, 0, stream>>>(a);
+  else
+    stem_kernel<T, E, 0><<<grid, kThreads, 0, stream>>>(a);
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) stem_kernel(const StemArgs a) {
-  using namespace nvcuda;
-  __shared__ __align__(32) T As[kTileM][kTileK + kPad];
-  __shared__ __align__(32) T Bs[kTileK][kTileN + kPad];
-  __shared__ __align__(32) float Cs[kTileM][kTileN + 4];
-
-  const int ho = a.h / 4, wo = a.w / 4;
-  const int64_t m_total = int64_t(a.n) * ho * wo;
-  const int64_t m0 = int64_t(blockIdx.x) * kTileM;
-  const int n0 = blockIdx.y * kTileN;
-  const int k_real = 16 * a.c;
-  const int warp = threadIdx.x / 32;
-
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
-  for (auto& f : acc) wmma::fill_fragment(f, 0.f);
-
-  for (int k0 = 0; k0 < a.kpad; k0 += kTileK) {
-    for (int i = threadIdx.x; i < kTileM * kTileK; i += kThreads) {
-      // Consecutive threads take consecutive pixels: neighbouring input addresses (4 elements apart in NCHW).
-      const int r = i % kTileM, kk = i / kTileM, k = k0 + kk;
-      const int64_t m = m0 + r;
-      float v = 0.f;
-      if (k < k_real && m < m_total) {
-        const int64_t img = m / (ho * wo);
-        const int rem = int(m % (ho * wo));
-        const int oi = rem / wo, oj = rem % wo;
-        const int dy = k / (4 * a.c), dx = (k / a.c) % 4, c = k % a.c;
-        v = load_input(a, img * a.stride_n + c * a.stride_c + int64_t(4 * oi + dy) * a.stride_h +
-                              int64_t(4 * oj + dx) * a.stride_w);
-        if (a.in_scale) v = v * a.in_scale[c] + a.in_shift[c];
-      }
-      As[r][kk] = to_t<T>(v);
-    }
-    const T* w = static_cast<const T*>(a.weight);
-    for (int i = threadIdx.x; i < kTileK * kTileN; i += kThreads) {
-      const int kk = i / kTileN, col = i % kTileN;
-      Bs[kk][col] = n0 + col < a.p0 ? w[int64_t(k0 + kk) * a.p0 + n0 + col] : to_t<T>(0.f);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int ks = 0; ks < kTileK; ks += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, &As[warp * 16][ks], kTileK + kPad);
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
-        wmma::load_matrix_sync(fb, &Bs[ks][t * 16], kTileN + kPad);
-        wmma::mma_sync(acc[t], fa, fb, acc[t]);
-      }
-    }
-    __syncthreads();
+cudaError_t launch_input(const StemArgs& a, dim3 grid, cudaStream_t stream) {
+  switch (a.x_dtype) {
+    case InputDType::kF32: launch_typed<T, float>(a, grid, stream); break;
+    case InputDType::kF16: launch_typed<T, __half>(a, grid, stream); break;
+    case InputDType::kBF16: launch_typed<T, __nv_bfloat16>(a, grid, stream); break;
+    case InputDType::kU8: launch_typed<T, uint8_t>(a, grid, stream); break;
+    default: return cudaErrorInvalidValue;
   }
-#pragma unroll
-  for (int t = 0; t < 4; ++t)
-    wmma::store_matrix_sync(&Cs[warp * 16][t * 16], acc[t], kTileN + 4, wmma::mem_row_major);
-  __syncthreads();
-
-  // 8 channels (16 bytes) per store; p0 % 8 == 0 keeps every vector inside one pixel's row.
-  const float b1a = a.b1a ? *a.b1a : 0.f;
-  for (int i = threadIdx.x; i < kTileM * kTileN / 8; i += kThreads) {
-    const int r = i / (kTileN / 8), col = (i % (kTileN / 8)) * 8;
-    const int64_t m = m0 + r;
-    if (m >= m_total || n0 + col >= a.p0) continue;
-    alignas(16) T x8[8], a8[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float v = relu_keep_nan(Cs[r][col + e]);
-      x8[e] = to_t<T>(v);
-      a8[e] = to_t<T>(v + b1a);
-    }
-    const int64_t off = m * a.p0 + n0 + col;
-    *reinterpret_cast<uint4*>(static_cast<T*>(a.x0) + off) = *reinterpret_cast<const uint4*>(x8);
-    if (a.a0) *reinterpret_cast<uint4*>(static_cast<T*>(a.a0) + off) = *reinterpret_cast<const uint4*>(a8);
-  }
+  return cudaGetLastError();
 }
 
 }  // namespace
 
+// kpad: only rows < 16C are read (kpad >= 16C is what the kernel needs; kpad % 64 == 0 is the packing's contract and
+// still checked). x0 / a0 must be 16-byte aligned (vector stores), as before.
 cudaError_t launch_stem(const StemArgs& a, ConvDType dtype, cudaStream_t stream) {
-  if (!a.x || !a.weight || !a.x0 || a.n <= 0 || a.c <= 0 || a.h % 4 || a.w % 4 || a.p0 % 8 || a.kpad % kTileK ||
+  if (!a.x || !a.weight || !a.x0 || a.n <= 0 || a.c <= 0 || a.h % 4 || a.w % 4 || a.p0 % 8 || a.kpad % 64 ||
       a.kpad < 16 * a.c || (a.in_scale == nullptr) != (a.in_shift == nullptr))
     return cudaErrorInvalidValue;
   const int64_t m_total = int64_t(a.n) * (a.h / 4) * (a.w / 4);
+  if (m_total > int64_t(INT32_MAX) - kTileM) return cudaErrorInvalidValue;  // the kernel indexes pixels in int
   const dim3 grid(unsigned((m_total + kTileM - 1) / kTileM), unsigned((a.p0 + kTileN - 1) / kTileN));
-  if (dtype == ConvDType::kF16)
-    stem_kernel<__half><<<grid, kThreads, 0, stream>>>(a);
-  else
-    stem_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  if (dtype == ConvDType::kF16) return launch_input<__half>(a, grid, stream);
+  return launch_input<__nv_bfloat16>(a, grid, stream);
 }
 
 }  // namespace kfuse::kernels
