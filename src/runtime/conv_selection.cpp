@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 
@@ -93,9 +94,16 @@ std::string ConvConfig::name() const {
 }
 
 std::string conv_shape_key(const Conv2dProblem& p) {
-  return "n" + std::to_string(p.n) + "_h" + std::to_string(p.h) + "_w" + std::to_string(p.w) + "_c" +
-         std::to_string(p.c) + "_k" + std::to_string(p.k) + "_r" + std::to_string(p.r) + "_s" + std::to_string(p.s) +
-         "_p" + std::to_string(p.pad_h) + "_u" + std::to_string(p.stride_h);
+  // snprintf rather than a chain of operator+ (g++ 12 warns falsely about the latter under -O2 -Wrestrict).
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "n%d_h%d_w%d_c%d_k%d_r%d_s%d_p%d_u%d", p.n, p.h, p.w, p.c, p.k, p.r, p.s, p.pad_h,
+                p.stride_h);
+  std::string key = buf;
+  if (p.pad_w != p.pad_h || p.stride_w != p.stride_h) {  // asymmetric problems spell out the width's pad and stride
+    std::snprintf(buf, sizeof(buf), "_pw%d_uw%d", p.pad_w, p.stride_w);
+    key += buf;
+  }
+  return key;
 }
 
 ConvConfig conv_heuristic(const Conv2dProblem& p, int sm_count) {

@@ -148,8 +148,27 @@ struct EncoderGpu::Impl {
   bool use_graphs = true;
   std::map<Geometry, Activations> activations;
   std::map<GraphKey, Graph> graphs;
+  // Two equal halves: the main stream's convolutions use the first, the shortcut branch's the second (split-K
+  // semaphores must not be shared by kernels that may run at the same time).
   void* conv_workspace = nullptr;
-  size_t conv_workspace_bytes = 0;
+  size_t conv_workspace_bytes = 0;  // per half
+  // The shortcut convolution of a downsampling block runs on a side branch, concurrently with conv1 and conv2: the
+  // late layers fill only 64-128 of the SMs each, so two of them share the machine. Fork/join through events, which
+  // stream capture turns into parallel graph branches.
+  cudaStream_t side = nullptr;
+  std::vector<cudaEvent_t> fork_events, join_events;
+
+  void ensure_side_stream() {
+    if (side) return;
+    check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      cudaEvent_t f, j;
+      check_cuda(cudaEventCreateWithFlags(&f, cudaEventDisableTiming), "cudaEventCreate");
+      check_cuda(cudaEventCreateWithFlags(&j, cudaEventDisableTiming), "cudaEventCreate");
+      fork_events.push_back(f);
+      join_events.push_back(j);
+    }
+  }
 
   void clear_graphs() {
     for (auto& [k, g] : graphs) {
@@ -268,12 +287,14 @@ struct EncoderGpu::Impl {
   }
 
   void conv(const Conv2dProblem& p, const void* x, size_t w, void* y, const kernels::FixupEpilogue& e,
-            cudaStream_t stream) {
+            cudaStream_t stream, bool side_branch = false) {
     const ConvConfig c = choose(p, e.relu);
     const size_t need = kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k);
     if (need > conv_workspace_bytes) throw Error("kfuse: conv workspace too small (internal error)");
-    check_cuda(kernels::conv2d_fprop_fixup(p, dtype, c.tile, x, wptr(w), y, e, c.split_k, conv_workspace,
-                                           conv_workspace_bytes, stream),
+    void* ws = conv_workspace ? static_cast<uint8_t*>(conv_workspace) + (side_branch ? conv_workspace_bytes : 0)
+                              : nullptr;
+    check_cuda(kernels::conv2d_fprop_fixup(p, dtype, c.tile, x, wptr(w), y, e, c.split_k, ws, conv_workspace_bytes,
+                                           stream),
                "conv2d_fprop_fixup (" + c.name() + ", " + conv_shape_key(p) + ")");
   }
 
@@ -298,7 +319,7 @@ struct EncoderGpu::Impl {
     if (need > conv_workspace_bytes) {
       if (conv_workspace) cudaFree(conv_workspace);
       conv_workspace = nullptr;
-      check_cuda(cudaMalloc(&conv_workspace, need), "cudaMalloc (conv workspace)");
+      check_cuda(cudaMalloc(&conv_workspace, 2 * need), "cudaMalloc (conv workspace)");
       conv_workspace_bytes = need;
       // Captured graphs hold the old workspace address.
       clear_graphs();
@@ -330,11 +351,19 @@ struct EncoderGpu::Impl {
       const BlockWeights& W = bw[i];
       const float* s = fptr(W.scalars);
       const auto probs = problems(b, g.n, h, w);
+      if (b.has_downsample) {  // fork: the shortcut needs only a[i], like conv1
+        ensure_side_stream();
+        check_cuda(cudaEventRecord(fork_events[i], stream), "cudaEventRecord");
+        check_cuda(cudaStreamWaitEvent(side, fork_events[i], 0), "cudaStreamWaitEvent");
+        conv(probs[2], act.a[i], W.shortcut, act.idt[i], kernels::FixupEpilogue{}, side, /*side_branch=*/true);
+        check_cuda(cudaEventRecord(join_events[i], side), "cudaEventRecord");
+      }
       kernels::FixupEpilogue e1{nullptr, s + kB1b, s + kB2a, true};  // h + b2a = relu(acc + b1b) + b2a
       conv(probs[0], act.a[i], W.conv1, act.h2[i], e1, stream);
-      if (b.has_downsample) conv(probs[2], act.a[i], W.shortcut, act.idt[i], kernels::FixupEpilogue{}, stream);
       kernels::FixupEpilogue e2{s + kScale, s + kB2b, nullptr, false};  // o = acc * scale + b2b
       conv(probs[1], act.h2[i], W.conv2, act.o[i], e2, stream);
+      if (b.has_downsample)  // join before the squeeze-excite, which reads the shortcut's output
+        check_cuda(cudaStreamWaitEvent(stream, join_events[i], 0), "cudaStreamWaitEvent");
 
       kernels::SqueezeExciteArgs se = tail;  // out_nchw / out_f32 are the tail's; cleared below for inner blocks
       se.o = act.o[i];
@@ -395,6 +424,9 @@ EncoderGpu::~EncoderGpu() {
   cudaFree(m.weights);
   cudaFree(m.input_affine);
   cudaFree(m.conv_workspace);
+  for (cudaEvent_t e : m.fork_events) cudaEventDestroy(e);
+  for (cudaEvent_t e : m.join_events) cudaEventDestroy(e);
+  if (m.side) cudaStreamDestroy(m.side);
   cudaSetDevice(previous);
 }
 

@@ -288,12 +288,12 @@ __device__ __forceinline__ void fc2(const float4 (&w2r)[Geo<P, G>::K2], const fl
 
 // Excite and join of vector v: y = relu(o * gate + identity) -> y, a_next = y + nb1a (global, T) and, for the NCHW
 // output, the stage ([G*hw][P], fp32 or T).
-template <class T, int P>
+template <class T, int P, int G>
 __device__ __forceinline__ void excite_vector(const SqueezeExciteArgs& a, int64_t base, int v, int hw, uint4 o8,
                                               uint4 id8, const float* gate, float nb1a, void* stage) {
   constexpr int C8 = P / 8;
   const int row = v / C8, c0 = (v % C8) * 8;
-  const float4* gp = reinterpret_cast<const float4*>(gate + (row / hw) * P + c0);
+  const float4* gp = reinterpret_cast<const float4*>(gate + (G == 1 ? 0 : row / hw) * P + c0);
   const float4 g0 = gp[0], g1 = gp[1];
   const float gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
   float of[8], idf[8], y[8];
@@ -359,7 +359,7 @@ __device__ __forceinline__ void write_nchw(const SqueezeExciteArgs& a, int64_t b
   }
 }
 
-// --- fast kernel, loads through registers (sm_80, and sm_90 when the TMA kernel's shared memory does not fit) -----
+// --- the fast kernel ----------------------------------------------------------------------------------------------
 
 // Shared memory, byte offsets (all 16-byte aligned). stage: o of the CTA as T ([G*hw][P]), later y for the NCHW
 // transpose (fp32 or T); colpart: [S][G*P] fp32 (absent when S == 1); mean: [G][P] fp32, then the gate; hid: [G][H].
@@ -413,11 +413,14 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
   load_w1<P, G, true>(a.w1, a.b1, w1r, b1r);
   load_w2<P, G, true>(a.w2, a.b2, w2r, b2r);
   const float nb1a = a.next_b1a ? __ldg(a.next_b1a) : 0.f;
+  auto load_identity = [&] {
 #pragma unroll
-  for (int k = 0; k < V; ++k) {
-    const int v = t + k * kThreads;
-    iv[k] = v < nvec ? __ldg(idt + v) : make_uint4(0, 0, 0, 0);
-  }
+    for (int k = 0; k < V; ++k) {
+      const int v = t + k * kThreads;
+      iv[k] = v < nvec ? __ldg(idt + v) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  load_identity();  // IDT-EARLY
 
 #pragma unroll
   for (int k = 0; k < V; ++k) {
@@ -426,6 +429,7 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
   }
   __syncthreads();
   squeeze_means<T, P, G>(reinterpret_cast<const uint32_t*>(stage), colpart, mean, hw, ge);
+  // IDT-LATE
   __syncthreads();
   fc1<P, G>(w1r, b1r, mean, hid);
   __syncthreads();
@@ -434,137 +438,11 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     const int v = t + k * kThreads;
-    if (v < nvec) excite_vector<T, P>(a, base, v, hw, ov[k], iv[k], mean, nb1a, stage);
+    if (v < nvec) excite_vector<T, P, G>(a, base, v, hw, ov[k], iv[k], mean, nb1a, stage);
   }
   if (!a.out_nchw) return;
   __syncthreads();
   write_nchw<T, P>(a, base, hw, ge, stage);
-}
-
-// --- fast kernel, loads by bulk copy (sm_90) -----------------------------------------------------------------------
-//
-// One thread issues three bulk copies (cp.async.bulk, the TMA engine) straight into shared memory, each group with its
-// own mbarrier: o, then the fc weights and biases, then the identity. Loads through registers queue in the SM's
-// load/store pipe, and the shared-memory and shuffle instructions of the squeeze and the fc layers queue behind them
-// until nearly all bytes have arrived; bulk copies leave that pipe free, so the squeeze starts as soon as o is in and
-// the identity streams in underneath the squeeze and the fc layers.
-
-// Shared memory, byte offsets (128-byte aligned): 3 mbarriers; o and identity [G*hw][P] of T; w1 [H][P], w2 [P][H],
-// b1 [H], b2 [P]; colpart [S][G*P] (absent when S == 1); mean / gate [G][P]; hid [G][H]; stage for the NCHW output
-// ([G*hw][P], fp32 or T), over the weights (dead by then) when it fits there.
-struct TmaLayout {
-  size_t o, idt, w1, w2, b1, b2, colpart, mean, hid, stage, total;
-};
-template <int P, int G>
-__host__ __device__ inline TmaLayout tma_layout(int hw, bool out, bool out_f32) {
-  using Gm = Geo<P, G>;
-  auto up = [](size_t b) { return (b + 127) / 128 * 128; };
-  const size_t act = size_t(G) * hw * P * 2;
-  TmaLayout l{};
-  l.o = 128;
-  l.idt = l.o + up(act);
-  l.w1 = l.idt + up(act);
-  l.w2 = l.w1 + up(size_t(Gm::H) * P * 4);
-  l.b1 = l.w2 + up(size_t(Gm::H) * P * 4);
-  l.b2 = l.b1 + up(size_t(Gm::H) * 4);
-  l.colpart = l.b2 + up(size_t(P) * 4);
-  l.mean = l.colpart + (Gm::S > 1 ? up(size_t(Gm::S) * G * P * 4) : 0);
-  l.hid = l.mean + up(size_t(G) * P * 4);
-  l.total = l.hid + up(size_t(G) * Gm::H * 4);
-  const size_t stage = out ? act * (out_f32 ? 2 : 1) : 0;
-  if (stage <= l.b2 - l.w1) {
-    l.stage = l.w1;
-  } else {
-    l.stage = l.total;
-    l.total += up(stage);
-  }
-  return l;
-}
-
-template <class T, int P, int G>
-__global__ void __launch_bounds__(kThreads, 1) squeeze_excite_tma_kernel(const SqueezeExciteArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Gm = Geo<P, G>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  auto smem_u32 = [](const void* p) { return uint32_t(__cvta_generic_to_shared(p)); };
-  const int hw = a.hw;
-  const TmaLayout lay = tma_layout<P, G>(hw, a.out_nchw != nullptr, a.out_f32);
-  const uint32_t bar = smem_u32(smem);  // mbarriers: +0 o, +8 weights, +16 identity
-  const int t = threadIdx.x;
-  const int img0 = blockIdx.x * G;
-  const int ge = min(G, a.n - img0);
-  const int64_t base = int64_t(img0) * hw * P;
-  const int nvec = ge * hw * Gm::C8;
-
-  if (t == 0) {
-#pragma unroll
-    for (int i = 0; i < 3; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar + 8 * i));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (t == 0) {
-    auto expect = [](uint32_t b, uint32_t bytes) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
-    };
-    auto copy = [&](unsigned char* dst, const void* src, uint32_t bytes, uint32_t b) {
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                       smem_u32(dst)),
-                   "l"(src), "r"(bytes), "r"(b)
-                   : "memory");
-    };
-    const uint32_t act = uint32_t(nvec) * 16, wb = Gm::H * P * 4;
-    expect(bar, act);
-    copy(smem + lay.o, static_cast<const T*>(a.o) + base, act, bar);
-    expect(bar + 8, 2 * wb + (Gm::H + P) * 4);
-    copy(smem + lay.w1, a.w1, wb, bar + 8);
-    copy(smem + lay.w2, a.w2, wb, bar + 8);
-    copy(smem + lay.b1, a.b1, Gm::H * 4, bar + 8);
-    copy(smem + lay.b2, a.b2, P * 4, bar + 8);
-    expect(bar + 16, act);
-    copy(smem + lay.idt, static_cast<const T*>(a.identity) + base, act, bar + 16);
-  }
-  auto wait = [](uint32_t b) {
-    uint32_t done = 0;
-    while (!done)
-      asm volatile(
-          "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
-          : "=r"(done)
-          : "r"(b)
-          : "memory");
-  };
-  float* colpart = reinterpret_cast<float*>(smem + lay.colpart);
-  float* mean = reinterpret_cast<float*>(smem + lay.mean);
-  float* hid = reinterpret_cast<float*>(smem + lay.hid);
-  const float nb1a = a.next_b1a ? __ldg(a.next_b1a) : 0.f;
-
-  wait(bar);
-  squeeze_means<T, P, G>(reinterpret_cast<const uint32_t*>(smem + lay.o), colpart, mean, hw, ge);
-  __syncthreads();
-  wait(bar + 8);
-  {
-    float4 w1r[Gm::S1];
-    float b1r;
-    load_w1<P, G, false>(reinterpret_cast<const float*>(smem + lay.w1), reinterpret_cast<const float*>(smem + lay.b1),
-                         w1r, b1r);
-    fc1<P, G>(w1r, b1r, mean, hid);
-  }
-  __syncthreads();
-  {
-    float4 w2r[Gm::K2];
-    float b2r[Gm::Scatter2::kOut];
-    load_w2<P, G, false>(reinterpret_cast<const float*>(smem + lay.w2), reinterpret_cast<const float*>(smem + lay.b2),
-                         w2r, b2r);
-    fc2<P, G>(w2r, b2r, hid, mean);
-  }
-  __syncthreads();  // also: nothing reads the weights after this, so the stage may overwrite them
-  wait(bar + 16);
-  const uint4* os = reinterpret_cast<const uint4*>(smem + lay.o);
-  const uint4* is = reinterpret_cast<const uint4*>(smem + lay.idt);
-  for (int v = t; v < nvec; v += kThreads) excite_vector<T, P>(a, base, v, hw, os[v], is[v], mean, nb1a, smem + lay.stage);
-  if (!a.out_nchw) return;
-  __syncthreads();
-  write_nchw<T, P>(a, base, hw, ge, smem + lay.stage);
-#endif
 }
 
 // --- the generic kernel (any P % 8 == 0, any hidden, any hw) --------------------------------------------------------
@@ -649,34 +527,21 @@ __global__ void __launch_bounds__(kThreads) squeeze_excite_generic_kernel(const 
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-struct DeviceProps {
-  int sms = 132, major = 0, smem_optin = 48 * 1024;
-};
-// The current device's SM count, compute capability major and opt-in shared memory per block (cached per device).
-DeviceProps device_props() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices][3];  // 0 = not queried yet
-  DeviceProps p;
-  int dev = 0;
+// SM count of the current device (cached per device; 132 if the query fails).
+int sm_count() {
+  static std::atomic<int> cache[64];  // 0 = not queried yet
+  int dev = 0, n = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) {
     cudaGetLastError();
-    return p;
+    return 132;
   }
-  const cudaDeviceAttr attrs[3] = {cudaDevAttrMultiProcessorCount, cudaDevAttrComputeCapabilityMajor,
-                                   cudaDevAttrMaxSharedMemoryPerBlockOptin};
-  int* out[3] = {&p.sms, &p.major, &p.smem_optin};
-  for (int i = 0; i < 3; ++i) {
-    int v = dev < kMaxDevices ? cache[dev][i].load(std::memory_order_relaxed) : 0;
-    if (v <= 0) {
-      if (cudaDeviceGetAttribute(&v, attrs[i], dev) != cudaSuccess || v <= 0) {
-        cudaGetLastError();
-        continue;  // keep the default
-      }
-      if (dev < kMaxDevices) cache[dev][i].store(v, std::memory_order_relaxed);
-    }
-    *out[i] = v;
+  if (dev < 64 && (n = cache[dev].load(std::memory_order_relaxed)) > 0) return n;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+    cudaGetLastError();
+    return 132;
   }
-  return p;
+  if (dev < 64) cache[dev].store(n, std::memory_order_relaxed);
+  return n;
 }
 
 // Images per CTA at P = 512, where the FC weights (128 KB fp32, re-read by every CTA) dominate the bytes: one image
@@ -710,50 +575,20 @@ bool launch_reg(const SqueezeExciteArgs& a, cudaStream_t stream) {
   return true;
 }
 
-// Bulk-copy fast kernel (compute capability 9.x) when its shared memory fits; false otherwise.
-template <class T, int P, int G>
-bool launch_tma(const SqueezeExciteArgs& a, const DeviceProps& d, cudaStream_t stream) {
-  if (d.major != 9 || !aligned16(a.b1) || !aligned16(a.b2)) return false;
-  const size_t smem = tma_layout<P, G>(a.hw, a.out_nchw != nullptr, a.out_f32).total;
-  if (smem > size_t(d.smem_optin)) return false;
-  const auto kernel = squeeze_excite_tma_kernel<T, P, G>;
-  if (smem > kDefaultSmem) {
-    static std::atomic<uint64_t> opted{0};  // devices (bit per ordinal < 64) where the opt-in is set
-    int dev = 0;
-    cudaGetDevice(&dev);
-    const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-    if (!bit || !(opted.load(std::memory_order_relaxed) & bit)) {
-      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, d.smem_optin) != cudaSuccess) {
-        cudaGetLastError();
-        return false;
-      }
-      opted.fetch_or(bit, std::memory_order_relaxed);
-    }
-  }
-  kernel<<<(a.n + G - 1) / G, kThreads, smem, stream>>>(a);
-  return true;
-}
-
-template <class T, int P, int G>
-bool launch_fast_g(const SqueezeExciteArgs& a, const DeviceProps& d, cudaStream_t stream) {
-  return launch_tma<T, P, G>(a, d, stream) || launch_reg<T, P, G>(a, stream);
-}
-
 template <class T>
 bool launch_fast(const SqueezeExciteArgs& a, cudaStream_t stream) {
   if (a.hidden * 16 != a.p) return false;
   if (!aligned16(a.o) || !aligned16(a.identity) || !aligned16(a.w1) || !aligned16(a.w2) ||
       (a.y && !aligned16(a.y)) || (a.a_next && !aligned16(a.a_next)) || (a.out_nchw && !aligned16(a.out_nchw)))
     return false;
-  const DeviceProps d = device_props();
   switch (a.p) {
-    case 64: return launch_fast_g<T, 64, 1>(a, d, stream);
-    case 128: return launch_fast_g<T, 128, 1>(a, d, stream);
-    case 256: return launch_fast_g<T, 256, 1>(a, d, stream);
+    case 64: return launch_reg<T, 64, 1>(a, stream);
+    case 128: return launch_reg<T, 128, 1>(a, stream);
+    case 256: return launch_reg<T, 256, 1>(a, stream);
     case 512: {
-      const int g = images_per_cta_512(a.n, d.sms);  // each falls back to fewer images when hw is too large
-      return (g >= 4 && launch_fast_g<T, 512, 4>(a, d, stream)) || (g >= 2 && launch_fast_g<T, 512, 2>(a, d, stream)) ||
-             launch_fast_g<T, 512, 1>(a, d, stream);
+      const int g = images_per_cta_512(a.n, sm_count());  // each falls back to fewer images when hw is too large
+      return (g >= 4 && launch_reg<T, 512, 4>(a, stream)) || (g >= 2 && launch_reg<T, 512, 2>(a, stream)) ||
+             launch_reg<T, 512, 1>(a, stream);
     }
     default: return false;
   }

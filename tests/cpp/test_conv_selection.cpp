@@ -1,0 +1,80 @@
+// Host-only tests of the convolution candidates and heuristic (src/runtime/conv_selection.h): what the tuner may
+// choose from, per device generation and dtype. No GPU needed (can_implement is a host check).
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "runtime/conv_selection.h"
+
+namespace {
+
+using kfuse::ConvConfig;
+using kfuse::kernels::Conv2dProblem;
+using kfuse::kernels::ConvDType;
+using kfuse::kernels::ConvTile;
+
+Conv2dProblem problem(int n, int hw, int c, int k, int stride) {
+  Conv2dProblem p;
+  p.n = n;
+  p.h = p.w = hw;
+  p.c = c;
+  p.k = k;
+  p.r = p.s = 3;
+  p.pad_h = p.pad_w = 1;
+  p.stride_h = p.stride_w = stride;
+  return p;
+}
+
+bool has_sm90(const std::vector<ConvConfig>& v) {
+  for (const ConvConfig& c : v)
+    if (c.name().rfind("sm90_", 0) == 0) return true;
+  return false;
+}
+
+TEST(ConvSelection, HeuristicComesFirstAndNamesAreUnique) {
+  for (const Conv2dProblem& p : {problem(128, 16, 64, 64, 1), problem(128, 16, 64, 128, 2),
+                                 problem(128, 4, 256, 512, 2), problem(128, 2, 512, 512, 1), problem(1, 2, 512, 512, 1)}) {
+    SCOPED_TRACE(kfuse::conv_shape_key(p));
+    const auto cands = kfuse::conv_candidates(p, ConvDType::kF16, 9, 132);
+    ASSERT_FALSE(cands.empty());
+    EXPECT_EQ(cands[0].name(), kfuse::conv_heuristic(p, 132).name());
+    std::set<std::string> names;
+    for (const ConvConfig& c : cands) EXPECT_TRUE(names.insert(c.name()).second) << c.name();
+    EXPECT_TRUE(has_sm90(cands)) << "Hopper tiles are candidates on compute capability 9.x";
+  }
+}
+
+TEST(ConvSelection, HopperTilesOnlyOnHopperAndInFp16) {
+  const Conv2dProblem p = problem(128, 8, 128, 128, 1);
+  EXPECT_FALSE(has_sm90(kfuse::conv_candidates(p, ConvDType::kF16, 8, 108)));
+  EXPECT_FALSE(has_sm90(kfuse::conv_candidates(p, ConvDType::kBF16, 9, 132)));
+  // bf16 has the two CUTLASS 2.x tiles only (fp16-only tiles are not offered).
+  for (const ConvConfig& c : kfuse::conv_candidates(p, ConvDType::kBF16, 9, 132))
+    EXPECT_TRUE(c.tile == ConvTile::k128x64 || c.tile == ConvTile::k64x64) << c.name();
+}
+
+TEST(ConvSelection, SplitKKeepsSlicesDeepAndGridsBounded) {
+  const Conv2dProblem p = problem(128, 2, 512, 512, 1);  // K = 4608: split-K candidates exist
+  bool any_split = false;
+  for (const ConvConfig& c : kfuse::conv_candidates(p, ConvDType::kF16, 9, 132)) {
+    EXPECT_GE(512 * 9 / c.split_k, 128) << c.name();
+    any_split = any_split || c.split_k > 1;
+  }
+  EXPECT_TRUE(any_split);
+  // A tiny problem (K = 72) gets no split-K candidate.
+  Conv2dProblem small = problem(2, 8, 8, 64, 1);
+  for (const ConvConfig& c : kfuse::conv_candidates(small, ConvDType::kF16, 9, 132)) EXPECT_EQ(c.split_k, 1);
+}
+
+TEST(ConvSelection, ProblemsNoKernelRunsHaveNoCandidates) {
+  EXPECT_TRUE(kfuse::conv_candidates(problem(2, 8, 3, 64, 1), ConvDType::kF16, 9, 132).empty())
+      << "C = 3 breaks the 16-byte alignment every kernel needs";
+}
+
+TEST(ConvSelection, ShapeKeyIsStable) {
+  EXPECT_EQ(kfuse::conv_shape_key(problem(128, 16, 64, 128, 2)), "n128_h16_w16_c64_k128_r3_s3_p1_u2");
+  EXPECT_EQ((ConvConfig{ConvTile::k64x64, 2}).name(), "sm80_64x64_k2");
+  EXPECT_EQ((ConvConfig{ConvTile::kSm90_128x64, 1}).name(), "sm90_128x64");
+}
+
+}  // namespace
