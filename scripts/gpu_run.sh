@@ -89,7 +89,7 @@ cat "$logs/tune.log" | grep -v '^\[kfuse tune\] \[' | tail -16
 if ((sanitize)) && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     if compute-sanitizer --tool "$tool" --error-exitcode 1 "$example" "" 2 >"$logs/sanitizer-$tool.log" 2>&1; then
-      status[sanitizer-$tool]="ok: $(grep -m1 'ERROR SUMMARY' "$logs/sanitizer-$tool.log")"
+      status[sanitizer-$tool]="ok: $(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/sanitizer-$tool.log")"
     else status[sanitizer-$tool]="FAILED"; grep -m5 -E 'ERROR|Invalid|hazard' "$logs/sanitizer-$tool.log"; fi
   done
 fi
