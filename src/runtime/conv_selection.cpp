@@ -3,15 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <random>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "kfuse/device.h"
 #include "kfuse/error.h"
+#include "runtime/half_bits.h"
 
 namespace kfuse {
 
@@ -54,28 +52,6 @@ int64_t gemm_k(const Conv2dProblem& p) { return int64_t(p.c) * p.r * p.s; }
 int64_t tiles(const Conv2dProblem& p, ConvTile t) {
   const TileInfo& i = tile_info(t);
   return (gemm_m(p) + i.m - 1) / i.m * ((p.k + i.n - 1) / i.n);
-}
-
-float bits_to_float(uint16_t b, ConvDType dt) {
-  if (dt == ConvDType::kF16) {
-    __half_raw r;
-    r.x = b;
-    return __half2float(__half(r));
-  }
-  __nv_bfloat16_raw r;
-  r.x = b;
-  return __bfloat162float(__nv_bfloat16(r));
-}
-uint16_t float_to_bits(float f, ConvDType dt) {
-  uint16_t b;
-  if (dt == ConvDType::kF16) {
-    const __half h = __float2half_rn(f);
-    std::memcpy(&b, &h, 2);
-  } else {
-    const __nv_bfloat16 h = __float2bfloat16_rn(f);
-    std::memcpy(&b, &h, 2);
-  }
-  return b;
 }
 
 void upload_random(void* dst, size_t elems, float scale, ConvDType dt, uint32_t seed) {

@@ -5,8 +5,6 @@
 
 #include <cstring>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <map>
 #include <memory>
 #include <set>
@@ -16,6 +14,7 @@
 #include "kernels/encoder/encoder_kernels.h"
 #include "kfuse/device.h"
 #include "runtime/conv_selection.h"
+#include "runtime/half_bits.h"
 #include "kfuse/error.h"
 
 namespace kfuse {
@@ -29,20 +28,6 @@ void check_cuda(cudaError_t e, const std::string& what) {
   if (e != cudaSuccess) throw Error("kfuse: " + what + " failed: " + cudaGetErrorString(e));
 }
 
-// Host float -> fp16 / bf16 bits, round to nearest even (cuda_fp16.h / cuda_bf16.h work in host code).
-uint16_t float_to_half_bits(float f) {
-  const __half h = __float2half_rn(f);
-  uint16_t b;
-  std::memcpy(&b, &h, 2);
-  return b;
-}
-uint16_t float_to_bf16_bits(float f) {
-  const __nv_bfloat16 h = __float2bfloat16_rn(f);
-  uint16_t b;
-  std::memcpy(&b, &h, 2);
-  return b;
-}
-
 // Host staging of the packed weights: every array 256-byte aligned in one device allocation.
 class Packer {
  public:
@@ -51,7 +36,7 @@ class Packer {
     const size_t off = align();
     bytes_.resize(off + 2 * v.size());
     for (size_t i = 0; i < v.size(); ++i) {
-      const uint16_t b = precision_ == GpuPrecision::kFloat16 ? float_to_half_bits(v[i]) : float_to_bf16_bits(v[i]);
+      const uint16_t b = float_to_bits(v[i], precision_ == GpuPrecision::kFloat16 ? ConvDType::kF16 : ConvDType::kBF16);
       std::memcpy(&bytes_[off + 2 * i], &b, 2);
     }
     return off;
@@ -527,7 +512,7 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
 
   const Geometry g{int(x.shape[0]), int(x.shape[2]), int(x.shape[3])};
   Impl::Device scope(m.device);
-  m.buffers(g);
+  Activations& act = m.buffers(g);  // std::map: the reference stays valid
   if (!m.tuned.count(g) && m.tuning_mode != TuningMode::kOff) {
     // Tuning synchronizes and allocates: never inside someone's stream capture (the heuristic runs instead).
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -555,7 +540,6 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
   stem.weight = m.wptr(m.stem_w);
   stem.kpad = m.kpad;
   stem.p0 = m.config.base_planes;
-  Activations& act = m.buffers(g);
   stem.b1a = m.fptr(m.bw[0].scalars) + kB1a;
   stem.x0 = act.x0;
   stem.a0 = act.a[0];

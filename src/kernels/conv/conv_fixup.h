@@ -14,7 +14,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/conv/conv_fprop.h"
+#include "kernels/conv/conv_problem.h"
 
 namespace kfuse::kernels {
 
