@@ -6,12 +6,16 @@
 #   3. tunes the network (`kfuse tune`, bench/results/<device>/tune-resnet-c3.json; the tuning cache lives in
 #      build-gpu/cache, fresh per run) and runs the benchmark (`kfuse bench`, results under bench/results/<device>/);
 #   4. prints a short table last. Logs and results go to $OUT/kfuse-results.tgz when $OUT is set.
-# Usage: bash scripts/gpu_run.sh [--no-bench] [--no-sanitize] [--profile] [-- extra kfuse bench arguments]
+# Usage: bash scripts/gpu_run.sh [--no-bench] [--no-sanitize] [--no-tests] [--profile] [--exec "command"]
+#                                [-- extra kfuse bench arguments]
+#   --exec: build, run the command (e.g. a diagnostic script) and stop.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bench=1
 sanitize=1
+tests=1
+exec_cmd=""
 profile=0
 bench_args=()
 while (($#)); do
@@ -19,6 +23,8 @@ while (($#)); do
     --no-bench) bench=0 ;;
     --no-sanitize) sanitize=0 ;;
     --profile) profile=1 ;;
+    --no-tests) tests=0 ;;
+    --exec) shift; exec_cmd="$1" ;;
     --) shift; bench_args=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -64,15 +70,22 @@ export LD_LIBRARY_PATH="$root/build-gpu/full/src${LD_LIBRARY_PATH:+:$LD_LIBRARY_
 export KFUSE_CACHE_DIR="$root/build-gpu/cache"
 rm -rf "$KFUSE_CACHE_DIR"
 
+if [[ -n "$exec_cmd" ]]; then
+  bash -c "$exec_cmd"
+  exit $?
+fi
+
 # 2. GPU tests -----------------------------------------------------------------------------------------------------
-for t in .kfuse-dist/bin/test_*_gpu; do
+for t in $( ((tests)) && ls .kfuse-dist/bin/test_*_gpu); do
   name=$(basename "$t")
   if "$t" >"$logs/$name.log" 2>&1; then status[$name]="ok: $(grep -E '^\[  PASSED  \]' "$logs/$name.log")"
   else status[$name]="FAILED"; grep -E 'FAILED|Failure|error' "$logs/$name.log" | head -20; fi
   grep -E 'SKIPPED' "$logs/$name.log" | head -3
 done
+if ((tests)); then
 if "$py" -m pytest tests/python -q -p no:cacheprovider -rs >"$logs/pytest.log" 2>&1; then status[pytest]="ok: $(tail -1 "$logs/pytest.log")"
 else status[pytest]="FAILED: $(tail -1 "$logs/pytest.log")"; grep -E '^(FAILED|ERROR)' "$logs/pytest.log" | head -20; fi
+fi
 
 # The C++ example (checkpoint-free default network) and compute-sanitizer on it: memcheck and racecheck of every
 # kernel of the fused forward, at a small batch.
@@ -111,6 +124,7 @@ for r in rows:
 print(f"{total:9.2f} us  total over {len(rows)} kernels")
 EOPY
   "$py" scripts/profile_infer.py 128 | tee -a "$logs/profile.txt"
+  "$py" scripts/profile_train.py 2048 | tee -a "$logs/profile.txt"
   status[profile]="see build-gpu/logs/profile.txt"
 fi
 

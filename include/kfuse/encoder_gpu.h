@@ -3,6 +3,7 @@
 // a CUDA graph per input geometry and replayed on the caller's stream.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -60,12 +61,30 @@ class EncoderGpu {
   std::vector<OpTuningReport> tune(int n, int h, int w, TuningMode mode = TuningMode::kRetune,
                                    const TuneProgress& progress = nullptr);
 
+  // --- training step (forward + backward; encoder_train.cpp) ---------------------------------------------------
+  // Packs the parameters straight from device memory in PyTorch's layouts (what an optimizer holds), asynchronously
+  // on `stream`: params[i] is parameter i of config().parameter_specs(), contiguous, all of one dtype (F32, F16 or
+  // BF16). Call before every forward_train whose parameters may have changed. Replaces set_weights' values.
+  void set_weights_device(const std::vector<const void*>& params, DType dtype, cudaStream_t stream);
+  // The forward of a training step: y = encoder(x) as forward() computes it (same views and checks), keeping what
+  // the backward needs (the spec's minimal stash, per input geometry). Returns the stash's id; the next
+  // forward_train of the same geometry replaces the stash (stash_valid then turns false).
+  uint64_t forward_train(const DeviceTensorView& x, const DeviceTensorView& y, cudaStream_t stream);
+  bool stash_valid(uint64_t stash) const;
+  // The backward of the step whose forward returned `stash`, for dL/dy = dy (contiguous NCHW, the dtype of that
+  // forward's y); x must be that forward's input. Writes every parameter's gradient, fp32 in PyTorch's layouts in
+  // parameter_specs order, into `grads` (device memory, config().num_parameters() floats; written, not accumulated)
+  // and, when dx is given, dL/dx (contiguous NCHW of x's dtype: F32, F16 or BF16). Asynchronous on `stream`.
+  void backward(uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy, float* grads,
+                const DeviceTensorView* dx, cudaStream_t stream);
+
   // CUDA graphs (default on): one per input geometry (N, H, W, input dtype and strides, output dtype).
   void set_use_graphs(bool on);
   size_t graph_count() const;
 
+  struct Impl;  // opaque (src/runtime/encoder_gpu_impl.h)
+
  private:
-  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -164,6 +164,61 @@ def resnet_infer_impls(model: torch.nn.Module, x: torch.Tensor, names: list[str]
 
 
 # --------------------------------------------------------------------------------------------------------------
+# resnet-train baselines: forward + backward, every parameter's gradient (torch.autograd.grad: no accumulation
+# into .grad, the same work for everyone)
+
+def resnet_train_impls(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor,
+                       names: list[str] | None) -> dict[str, Callable[[], object]]:
+    """name -> zero-argument callable running one training step's forward and backward on x with dL/dy = dy;
+    model is a float32 reference.ResNetEncoder. Everyone trains fp16 parameters on fp16 inputs."""
+    wanted = lambda n: names is None or n in names  # noqa: E731
+    impls: dict[str, Callable[[], object]] = {}
+    xh = x.cuda().half()
+    xcl = xh.contiguous(memory_format=torch.channels_last)
+    dyh = dy.cuda().half()
+
+    def step(module, inp):
+        params = [p for p in module.parameters()]
+
+        def run():
+            y = module(inp)
+            return torch.autograd.grad(y, params, dyh)
+        return run
+
+    if wanted("kfuse") and _C.cuda_device_count() > 0:
+        enc = ResNetEncoder.from_torch(model).cuda().half().train()
+        run = step(enc, xh)
+        try:
+            run()
+            impls["kfuse"] = run
+        except NotImplementedError as e:
+            print(f"[bench] kfuse: skipped ({e})")
+    half = reference.ResNetEncoder(*model.config).cuda().half().train()
+    half.load_state_dict(model.state_dict())
+    cl = reference.ResNetEncoder(*model.config).cuda().half().train().to(memory_format=torch.channels_last)
+    cl.load_state_dict(model.state_dict())
+    if wanted("torch-eager-fp16"):
+        impls["torch-eager-fp16"] = step(half, xh)
+    if wanted("torch-jit-fp16"):
+        try:
+            impls["torch-jit-fp16"] = step(torch.jit.script(half), xh)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other baselines
+            print(f"[bench] torch-jit-fp16: torch.jit.script failed ({type(e).__name__}: {e}); skipped")
+    torch.backends.cudnn.benchmark = True
+    if wanted("torch-eager-cl"):
+        impls["torch-eager-cl"] = step(cl, xcl)
+    if wanted("torch-compile"):
+        compiled = torch.compile(cl)
+        params = list(cl.parameters())
+
+        def run_compiled():
+            y = compiled(xcl)
+            return torch.autograd.grad(y, params, dyh)
+        impls["torch-compile"] = run_compiled
+    return impls
+
+
+# --------------------------------------------------------------------------------------------------------------
 # results
 
 def write_results(path: Path, meta: dict, rows: list[dict], title: str) -> None:
@@ -239,6 +294,46 @@ def run_cpu(args) -> int:
     return 0
 
 
+def _free_workload_state() -> None:
+    # Leave nothing of a workload's compiled graphs and CUDA graphs behind for the next one: a manual CUDA graph
+    # captured while torch.compile's cudagraph trees of an earlier model were alive hit an illegal address on the
+    # H100 (each alone ran clean).
+    torch.compiler.reset()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def run_train(args, meta_dev: dict, out_dir: Path) -> list:
+    """The resnet-train workload: forward + backward at batch 2048 (16 x 128), C = 3."""
+    batch = args.train_batch
+    summaries = []
+    for c in args.train_channels:
+        model = ResNetEncoder.default_network(in_channels=c)
+        plain = reference.ResNetEncoder(c)
+        plain.load_state_dict(model.state_dict())
+        gen = torch.Generator().manual_seed(8765 + c)
+        x = torch.rand(batch, c, 64, 64, generator=gen)
+        dy = torch.randn(batch, plain.out_channels, 2, 2, generator=gen)
+        impls = resnet_train_impls(plain, x, dy, args.impl)
+        rows = []
+        for name, fn in impls.items():
+            t0 = time.perf_counter()
+            r = time_gpu(fn, args.train_iters, warmup=5, rounds=5, per_round=20)
+            r = {"impl": name, **{k: round(v, 5) for k, v in r.items()}}
+            rows.append(r)
+            print(f"[bench] train C={c} {name}: latency {r['latency_ms']:.3f} ms, back-to-back "
+                  f"{r['back_to_back_ms']:.3f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
+        del impls, fn
+        _free_workload_state()
+        meta = dict(meta_dev, batch=batch, channels=c, workload="resnet-train",
+                    input="NCHW/channels_last fp16 parameters and inputs, 64x64; torch.autograd.grad of all parameters")
+        path = out_dir / f"resnet-train-c{c}.json"
+        write_results(path, meta, rows, f"resnet-train C={c} N={batch}")
+        summaries.append((f"resnet-train C={c} N={batch} ({path})", rows))
+    return summaries
+
+
 def run_gpu(args) -> int:
     batch = args.batch or 128
     meta_dev = environment_meta(batch, "fp16")
@@ -247,7 +342,7 @@ def run_gpu(args) -> int:
     print(f"[bench] {meta_dev['device']}, torch {meta_dev['torch']}, CUDA {meta_dev['cuda']}, "
           f"cuDNN {meta_dev['cudnn']}, driver {meta_dev.get('driver')}")
     summaries = []
-    for c in args.channels:
+    for c in (args.channels if args.workload in ("resnet-infer", "all") else []):
         model = ResNetEncoder.default_network(in_channels=c)
         plain = reference.ResNetEncoder(c)
         plain.load_state_dict(model.state_dict())
@@ -263,18 +358,14 @@ def run_gpu(args) -> int:
                 rows.append(r)
                 print(f"[bench] C={c} {name}: latency {r['latency_ms']:.4f} ms, back-to-back "
                       f"{r['back_to_back_ms']:.4f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
-            # Leave nothing of this workload's compiled graphs and CUDA graphs behind for the next one: a manual
-            # CUDA graph captured while torch.compile's cudagraph trees of an earlier model were alive hit an illegal
-            # address on the H100 (each alone ran clean).
             del impls, fn
-            torch.compiler.reset()
-            gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            _free_workload_state()
         meta = dict(meta_dev, channels=c, workload="resnet-infer", input="NCHW/channels_last fp16, 64x64")
         path = out_dir / f"resnet-infer-c{c}.json"
         write_results(path, meta, rows, f"resnet-infer C={c}")
         summaries.append((f"resnet-infer C={c} N={batch} ({path})", rows))
+    if args.workload in ("resnet-train", "all"):
+        summaries += run_train(args, meta_dev, out_dir)
     for title, rows in summaries:
         print_table(title, rows)
     return 0

@@ -45,11 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("bench", help="run the benchmark (bench-protocol workloads; CPU reference without a GPU)")
-    p.add_argument("--workload", default="resnet-infer", choices=["resnet-infer"],
-                   help="which workload to run (default: %(default)s)")
+    p.add_argument("--workload", default="all", choices=["resnet-infer", "resnet-train", "all"],
+                   help="which workload to run on a GPU (default: %(default)s)")
     p.add_argument("--channels", type=int, nargs="+", default=[3, 1], help="input channels to run (default: 3 1)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: 128 on a GPU, 2 on the CPU)")
     p.add_argument("--iters", type=int, default=1000, help="timed synchronized calls per implementation (GPU)")
+    p.add_argument("--train-batch", type=int, default=2048, help="resnet-train batch (default: %(default)s)")
+    p.add_argument("--train-channels", type=int, nargs="+", default=[3], help="resnet-train input channels (3)")
+    p.add_argument("--train-iters", type=int, default=50,
+                   help="timed synchronized training steps per implementation (default: %(default)s)")
     p.add_argument("--impl", nargs="*", default=None,
                    help="only these implementations (kfuse, torch-eager-fp16, torch-jit-fp16, torch-eager-cl, "
                         "torch-cudagraph, torch-compile, torch-compile-ro, torch-compile-max)")

@@ -1,7 +1,9 @@
 """kfuse.ResNetEncoder: the SE-ResNet-FixUp encoder as an nn.Module whose forward and backward run kfuse's code.
 
 On CPU tensors it runs the C++ reference (float32 storage, float64 sums; or float64) through a
-torch.autograd.Function, so it trains like any module. CUDA tensors need the fused GPU path, which is not built yet.
+torch.autograd.Function, so it trains like any module. On CUDA tensors it runs kfuse's fused kernels: inference through
+a CUDA graph per input geometry, training (whenever autograd records) through a torch.autograd.Function whose
+backward computes every parameter's gradient with kfuse's backward kernels.
 """
 
 from __future__ import annotations
@@ -67,6 +69,50 @@ class _ReferenceFunction(torch.autograd.Function):
         _C.reference_backward(ctx.config, [p.detach() for p in params], x.detach(),
                               grad_output.detach().contiguous(), grads, grad_x)
         return (None, grad_x, *[g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:])])
+
+
+_PARAM_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _cuda_stream(device: torch.device) -> int:
+    return torch._C._cuda_getCurrentRawStream(device.index or 0)
+
+
+class _CudaTrainFunction(torch.autograd.Function):
+    """The fused training step: forward keeps its stash inside the engine (per input geometry), backward writes every
+    parameter's gradient into one flat float32 buffer whose views are returned (autograd accumulates them into
+    .grad as usual)."""
+
+    @staticmethod
+    def forward(ctx, module, entry, out_shape, out_dtype, x, *params):
+        gpu = entry[0]
+        y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+        ctx.stash = gpu.forward_train(x, y, _cuda_stream(x.device))
+        ctx.module, ctx.entry, ctx.out_shape, ctx.out_dtype = module, entry, out_shape, out_dtype
+        ctx.save_for_backward(x, *params)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, *params = ctx.saved_tensors  # autograd raises here if a parameter was modified in place since forward
+        gpu = ctx.entry[0]
+        stream = _cuda_stream(x.device)
+        if ctx.module._pack_device(ctx.entry, params, stream) or not gpu.stash_valid(ctx.stash):
+            # Another forward (other parameters, or the same input geometry) replaced what this one kept: recompute
+            # it from the saved input and parameters.
+            y = torch.empty(ctx.out_shape, dtype=ctx.out_dtype, device=x.device)
+            ctx.stash = gpu.forward_train(x, y, stream)
+        dy = dy.to(ctx.out_dtype).contiguous()
+        sizes = [p.numel() for p in params]
+        grads = torch.empty(sum(sizes), dtype=torch.float32, device=x.device)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[4] else None
+        gpu.backward(ctx.stash, x, dy, grads, dx, stream)
+        if params[0].dtype != torch.float32:
+            grads = grads.to(params[0].dtype)  # one cast for all (the parameters share one dtype)
+        out = [g.view(p.shape) if need else None
+               for g, p, need in zip(torch.split(grads, sizes), params, ctx.needs_input_grad[5:])]
+        return (None, None, None, None, dx, *out)
 
 
 class ResNetEncoder(reference.ResNetEncoder):
@@ -200,9 +246,7 @@ class ResNetEncoder(reference.ResNetEncoder):
         # output and re-validates only what can change (the input's geometry is validated once per geometry).
         params = _param_list(self, self.config)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            raise NotImplementedError(
-                "kfuse.ResNetEncoder's CUDA path is inference-only for now (training lands with the fused backward); "
-                "run inference under torch.no_grad() or torch.inference_mode()")
+            return self._forward_cuda_train(x, params)
         w_dtype = params[0].dtype
         key = (x.shape, x.stride(), x.dtype, x.device, w_dtype, params[0].device)
         call = self.__dict__.get("_kfuse_last_call")
@@ -230,6 +274,24 @@ class ResNetEncoder(reference.ResNetEncoder):
             call[6] = gpu
         gpu.run(spec, x.data_ptr(), y.data_ptr(), stream)
         return y
+
+    def _forward_cuda_train(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        self._check_input(x)
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
+            raise ValueError(f"CUDA input must be float32, float16, bfloat16 or uint8, got {x.dtype}")
+        w_dtype = params[0].dtype
+        if w_dtype not in _PARAM_DTYPE_NAMES or any(p.dtype != w_dtype for p in params):
+            raise ValueError("training on CUDA needs the parameters in one dtype of float32, float16 or bfloat16; got "
+                             + ", ".join(sorted({str(p.dtype) for p in params})))
+        precision = torch.bfloat16 if w_dtype == torch.bfloat16 else torch.float16
+        out_dtype = torch.float32 if w_dtype == torch.float32 else precision
+        out_shape = tuple(_C.output_shape(self.config, list(x.shape)))
+        entry = self._gpu_engine(x.device, precision, params)
+        affine = self._uint8_affine() if x.dtype == torch.uint8 else _NO_AFFINE
+        if entry[2] != affine:
+            entry[0].set_input_affine(*affine)
+            entry[2] = affine
+        return _CudaTrainFunction.apply(self, entry, out_shape, out_dtype, x, *params)
 
     # -- tuning ----------------------------------------------------------------------------------------------------
     def tune(self, batch: int = 128, height: int = 64, width: int = 64, mode: str = "retune",
@@ -275,8 +337,28 @@ class ResNetEncoder(reference.ResNetEncoder):
             name = "float16" if precision == torch.float16 else "bfloat16"
             entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0), None, _NO_AFFINE, None]
         if entry[1] != stamp:
-            with torch.no_grad():
-                entry[0].set_weights([p.detach().float().cpu().contiguous() for p in params])
-            entry[1] = stamp
-            entry[3] = list(params)  # keeps the stamped storages alive
+            if all(p.device == device for p in params):
+                self._pack_device(entry, params, _cuda_stream(device))
+            else:
+                with torch.no_grad():
+                    entry[0].set_weights([p.detach().float().cpu().contiguous() for p in params])
+                entry[1] = stamp
+                entry[3] = list(params)  # keeps the stamped storages alive
         return entry
+
+    @staticmethod
+    def _pack_device(entry, params: list[torch.Tensor], stream: int) -> bool:
+        """Packs the parameters into the engine from device memory, on `stream`, unless the engine already holds
+        exactly these (same storages and versions). Returns whether it packed."""
+        stamp = (list(map(_DATA_PTR, params)), list(map(_VERSION, params)))
+        if entry[1] == stamp:
+            return False
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _PARAM_DTYPE_NAMES:
+            raise ValueError("the encoder's parameters must share one dtype of float32, float16 or bfloat16; got "
+                             + ", ".join(sorted(map(str, dtypes))))
+        src = [p.detach() if p.is_contiguous() else p.detach().contiguous() for p in params]
+        entry[0].set_weights_device([t.data_ptr() for t in src], _PARAM_DTYPE_NAMES[params[0].dtype], stream)
+        entry[1] = stamp
+        entry[3] = list(params) + src  # keeps the stamped storages (and contiguous copies) alive
+        return True

@@ -2,6 +2,7 @@
 // arrays); every check of device, dtype, layout and shape happens here or in the core and names the tensor.
 // No PyTorch header is included: the torch-facing layer is python/kfuse/*.py.
 #include <cmath>
+#include <optional>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -353,6 +354,44 @@ NB_MODULE(_C, m) {
            },
            "n"_a, "h"_a, "w"_a, "mode"_a = "retune", "progress"_a = nb::none(),
            "Tunes every convolution of the (N, H, W) geometry; one dict per convolution")
+      .def("set_weights_device",
+           [](EncoderGpu& e, const std::vector<uintptr_t>& ptrs, const std::string& dtype, uintptr_t stream) {
+             KFUSE_CHECK(dtype == "float32" || dtype == "float16" || dtype == "bfloat16", InvalidArgument,
+                         "parameter dtype must be float32, float16 or bfloat16, got ", dtype);
+             std::vector<const void*> params;
+             for (uintptr_t p : ptrs) params.push_back(reinterpret_cast<const void*>(p));
+             const DType d = dtype == "float32" ? DType::F32 : dtype == "float16" ? DType::F16 : DType::BF16;
+             nb::gil_scoped_release release;
+             e.set_weights_device(params, d, reinterpret_cast<cudaStream_t>(stream));
+           },
+           "param_ptrs"_a, "dtype"_a, "stream"_a,
+           "Packs the parameters from CUDA memory (contiguous, PyTorch layouts, param_specs order) on `stream`")
+      .def("forward_train",
+           [](EncoderGpu& e, const Array& x, const Array& y, uintptr_t stream) {
+             const DeviceTensorView xv = to_view(x, "input"), yv = to_view(y, "output");
+             nb::gil_scoped_release release;
+             return e.forward_train(xv, yv, reinterpret_cast<cudaStream_t>(stream));
+           },
+           "x"_a, "y"_a, "stream"_a, "The training forward; returns the id of the state kept for backward")
+      .def("stash_valid", &EncoderGpu::stash_valid, "stash"_a)
+      .def("backward",
+           [](EncoderGpu& e, uint64_t stash, const Array& x, const Array& dy, const Array& grads,
+              std::optional<Array> dx, uintptr_t stream) {
+             const DeviceTensorView xv = to_view(x, "input"), dyv = to_view(dy, "output gradient");
+             const DeviceTensorView gv = to_view(grads, "gradient buffer");
+             KFUSE_CHECK(gv.dtype == DType::F32 && gv.shape.size() == 1 &&
+                             gv.shape[0] == e.config().num_parameters() && gv.strides[0] == 1,
+                         InvalidArgument, "gradient buffer must be a contiguous float32 vector of ",
+                         e.config().num_parameters(), " elements");
+             KFUSE_CHECK(gv.device == xv.device, InvalidArgument, "gradient buffer must be on cuda:", xv.device);
+             std::optional<DeviceTensorView> dxv;
+             if (dx) dxv = to_view(*dx, "input gradient");
+             nb::gil_scoped_release release;
+             e.backward(stash, xv, dyv, static_cast<float*>(gv.data), dxv ? &*dxv : nullptr,
+                        reinterpret_cast<cudaStream_t>(stream));
+           },
+           "stash"_a, "x"_a, "dy"_a, "grads"_a, "dx"_a.none(), "stream"_a,
+           "Every parameter's gradient (flat float32, param_specs order) and optionally dL/dx")
       .def("set_use_graphs", &EncoderGpu::set_use_graphs, "on"_a)
       .def_prop_ro("graph_count", &EncoderGpu::graph_count);
 #endif

@@ -82,12 +82,14 @@ std::string conv_shape_key(const Conv2dProblem& p) {
   return key;
 }
 
-ConvConfig conv_heuristic(const Conv2dProblem& p, int sm_count) {
+ConvConfig conv_heuristic(const Conv2dProblem& p, int sm_count, ConvDType dtype) {
   ConvConfig c;
   c.tile = (gemm_m(p) >= 16384 && p.k <= 64) ? ConvTile::k128x64 : ConvTile::k64x64;
   const int64_t t = tiles(p, c.tile);
   c.split_k = 1;
-  while (t * c.split_k * 2 <= sm_count && gemm_k(p) / (c.split_k * 2) >= 256 && c.split_k < 16) c.split_k *= 2;
+  while (dtype == ConvDType::kF16 && t * c.split_k * 2 <= sm_count && gemm_k(p) / (c.split_k * 2) >= 256 &&
+         c.split_k < 16)
+    c.split_k *= 2;
   return c;
 }
 
@@ -99,12 +101,13 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
     if (!kernels::conv2d_fprop_fixup_can_implement(p, dtype, c.tile, c.split_k)) return;
     out.push_back(c);
   };
-  add(conv_heuristic(p, sm_count));
+  add(conv_heuristic(p, sm_count, dtype));
   for (ConvTile t : {ConvTile::k128x64, ConvTile::k64x64, ConvTile::k64x64x64, ConvTile::k128x64x64, ConvTile::k64x128,
                      ConvTile::k128x128, ConvTile::k128x64w8}) {
     // Split K while the slices stay >= 128 deep and the grid stays within ~4 waves.
     for (int s = 1; s <= 16; s *= 2) {
-      if (s > 1 && (gemm_k(p) / s < 128 || tiles(p, t) * s > 4 * int64_t(sm_count))) break;
+      if (s > 1 && (dtype != ConvDType::kF16 || gemm_k(p) / s < 128 || tiles(p, t) * s > 4 * int64_t(sm_count)))
+        break;
       add({t, s});
     }
   }

@@ -23,9 +23,12 @@ struct ConvConfig {
 std::string conv_shape_key(const kernels::Conv2dProblem& p);
 
 // The built-in choice (tuning off, or nothing cached): 128x64 tiles for the wide, shallow early layers, 64x64
-// elsewhere, split K when the tiles alone would leave most of the `sm_count` SMs idle. Always implementable for
-// problems the 2.x kernels accept.
-ConvConfig conv_heuristic(const kernels::Conv2dProblem& p, int sm_count);
+// elsewhere, split K (fp16 only) when the tiles alone would leave most of the `sm_count` SMs idle. Always
+// implementable for problems the 2.x kernels accept. No split K in bf16: the serial split-K kernels pass their
+// partial sums through the output tensor, rounded to the output type, and bf16's 8-bit significand made that the
+// largest error of the small-batch forward (and of its gradients).
+ConvConfig conv_heuristic(const kernels::Conv2dProblem& p, int sm_count,
+                          kernels::ConvDType dtype = kernels::ConvDType::kF16);
 
 // Every configuration that can run `p` in `dtype` on a device of compute capability `cc_major`, the heuristic's
 // first (the tuner's reference candidate).

@@ -53,6 +53,14 @@ TEST(ConvSelection, HopperTilesOnlyOnHopperAndInFp16) {
     EXPECT_TRUE(c.tile == ConvTile::k128x64 || c.tile == ConvTile::k64x64) << c.name();
 }
 
+TEST(ConvSelection, NoSplitKInBf16) {
+  // Serial split-K rounds partial sums to the output type: too coarse in bf16 (see conv_heuristic).
+  const Conv2dProblem p = problem(1, 2, 512, 512, 1);  // one tile: fp16 splits it
+  EXPECT_GT(kfuse::conv_heuristic(p, 132, ConvDType::kF16).split_k, 1);
+  EXPECT_EQ(kfuse::conv_heuristic(p, 132, ConvDType::kBF16).split_k, 1);
+  for (const ConvConfig& c : kfuse::conv_candidates(p, ConvDType::kBF16, 9, 132)) EXPECT_EQ(c.split_k, 1) << c.name();
+}
+
 TEST(ConvSelection, SplitKKeepsSlicesDeepAndGridsBounded) {
   const Conv2dProblem p = problem(128, 2, 512, 512, 1);  // K = 4608: split-K candidates exist
   bool any_split = false;

@@ -95,10 +95,3 @@ def test_bad_configuration():
 def test_from_torch_rejects_other_modules():
     with pytest.raises(ValueError, match="not a bps-nav SE-ResNet-FixUp encoder"):
         kfuse.ResNetEncoder.from_torch(torch.nn.Linear(3, 4))
-
-
-def test_cuda_training_is_not_implemented_yet(enc):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    with pytest.raises(NotImplementedError, match="CUDA"):
-        enc.cuda()(torch.rand(1, 3, 32, 32, device="cuda"))

@@ -1,5 +1,6 @@
 // CUTLASS 2.x epilogue thread functor for the FixUp convolutions (conv_fixup.h):
-//   D = post + act(alpha * accumulator + pre),   act = relu if Params::relu else identity.
+//   D = post + act(alpha * accumulator + pre),   act = relu if Params::relu else identity,
+// rounded to nearest, except that an active ReLU never rounds to T(post) (see finish()).
 // alpha, pre and post are read from device pointers when the functor is built inside the kernel, so a captured CUDA
 // graph sees their current values; nullptr stands for 1, 0, 0. CUDA-only (includes CUTLASS).
 //
@@ -92,14 +93,34 @@ class FixupLinearCombinationRelu {
   CUTLASS_HOST_DEVICE FragmentOutput finish(FragmentCompute sum) const {
     cutlass::NumericArrayConverter<ElementOutput, ElementCompute, kCount, kRound> destination_converter;
     if (k_partition_ != k_partition_count_ - 1) return destination_converter(sum);  // partial sum, not final
+    bool active[kCount];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kCount; ++i) {
       ElementCompute v = alpha_ * sum[i] + pre_;
       // `v < 0 ? 0 : v` (not max) lets NaN through, as torch.relu does.
       if (relu_ && v < ElementCompute(0)) v = ElementCompute(0);
+      active[i] = v > ElementCompute(0);
       sum[i] = post_ + v;
     }
-    return destination_converter(sum);
+    FragmentOutput out = destination_converter(sum);
+    // Keep the ReLU's decision readable from the stored value (the training backward's mask, relu_mask_backward):
+    // where v > 0 but post + v rounds to T(post), store the next value above T(post) instead (still within one
+    // ulp: faithful rounding). Only with post != 0; with post == 0 the store is v itself.
+    if (post_ != ElementCompute(0)) {
+      const ElementOutput post_t(post_);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kCount; ++i)
+        if (active[i] && out[i] == post_t) out[i] = next_up(post_t);
+    }
+    return out;
+  }
+
+  // The next representable value above x (x finite) of a 16-bit float type (half_t, bfloat16_t).
+  CUTLASS_HOST_DEVICE static ElementOutput next_up(ElementOutput x) {
+    const uint16_t bits = x.raw();
+    const bool negative = (bits & 0x8000u) != 0;
+    if ((bits & 0x7fffu) == 0) return ElementOutput::bitcast(uint16_t(1));  // +-0 -> smallest positive
+    return ElementOutput::bitcast(uint16_t(negative ? bits - 1 : bits + 1));
   }
 };
 

@@ -38,6 +38,40 @@ namespace fusion = cutlass::epilogue::fusion;
 template <class T>
 using MaxPropagateNaN = cutlass::maximum<T, /*PropagateNaN=*/true>;
 
+// post + act for the last node of the tree, keeping the ReLU's decision readable from the stored fp16 value (the
+// training backward's mask, relu_mask_backward): where act > 0 but post + act would round to fp16(post), return the
+// next fp16 value above it instead (faithful rounding, within one ulp; the tree's conversion then is exact). Only
+// with post != 0, as FixupLinearCombinationRelu does for the CUTLASS 2.x kernels.
+__device__ inline float plus_keep_active(float post, float act) {
+  const float r = post + act;
+  if (!(act > 0.f) || post == 0.f) return r;
+  const cutlass::half_t hp(post), hr(r);
+  if (!(hr == hp)) return r;
+  const uint16_t bits = hp.raw();
+  const uint16_t up = (bits & 0x7fffu) == 0 ? uint16_t(1) : uint16_t((bits & 0x8000u) ? bits - 1 : bits + 1);
+  return float(cutlass::half_t::bitcast(up));
+}
+template <class T>
+struct PlusKeepActive {
+  CUTLASS_HOST_DEVICE T operator()(T const& post, T const& act) const {
+#if defined(__CUDA_ARCH__)
+    return plus_keep_active(post, act);
+#else
+    return post + act;
+#endif
+  }
+};
+template <class T, int N>
+struct PlusKeepActive<cutlass::Array<T, N>> {
+  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& post,
+                                                      cutlass::Array<T, N> const& act) const {
+    cutlass::Array<T, N> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) out[i] = PlusKeepActive<T>{}(post[i], act[i]);
+    return out;
+  }
+};
+
 // Checks CUTLASS's can_implement does not make: TMA im2col element strides are limited to 8, and p()/q() must be
 // positive (CUTLASS would otherwise see empty or negative extents).
 inline bool problem_is_sane(const Conv2dProblem& p, int split_k) {
@@ -69,8 +103,8 @@ struct FixupConvSm90 {
   // max(alpha * acc + pre, floor)
   using Act = fusion::Sm90EVT<fusion::Sm90Compute<MaxPropagateNaN, ElementCompute, ElementCompute, kRound>,
                               Affine, Scalar>;
-  // post + act(...), rounded to fp16 once
-  using FusionOp = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, Element, ElementCompute, kRound>, Scalar, Act>;
+  // post + act(...), rounded to fp16 once (never to fp16(post) where act > 0: PlusKeepActive)
+  using FusionOp = fusion::Sm90EVT<fusion::Sm90Compute<PlusKeepActive, Element, ElementCompute, kRound>, Scalar, Act>;
 
   // ElementC = void: the tree reads no source tensor, so no C load and no C TMA descriptor.
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<

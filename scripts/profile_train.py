@@ -1,0 +1,42 @@
+"""Per-kernel GPU time of kfuse's training step (forward + backward) at batch N (default 2048), C = 3, fp16, from
+torch.profiler's CUDA activity: what PERF.md's training breakdown is made of. Usage: python scripts/profile_train.py [N]"""
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import kfuse
+
+
+def main():
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
+    enc = kfuse.ResNetEncoder.default_network(3).cuda().half().train()
+    x = torch.rand(n, 3, 64, 64, device="cuda", dtype=torch.float16)
+    dy = torch.randn(n, 512, 2, 2, device="cuda", dtype=torch.float16)
+    params = list(enc.parameters())
+
+    def step():
+        return torch.autograd.grad(enc(x), params, dy)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    steps = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            r = rows.setdefault(e.name, [0.0, 0])
+            r[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            r[1] += 1
+    total = sum(v[0] for v in rows.values()) / steps
+    print(f"kfuse training step N={n}: {total / 1e3:.3f} ms of kernel time per step")
+    for name, (us, cnt) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:30]:
+        print(f"{us / steps:9.1f} us  x{cnt // steps:<3} {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()

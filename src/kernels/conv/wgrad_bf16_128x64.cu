@@ -1,0 +1,6 @@
+// Weight-gradient instance: bf16, CTA tile 128x64x32 (2 x 2 warps of 64x32x32), 4 stages = 48 KiB of shared memory.
+// See wgrad_impl.cuh.
+#include "kernels/conv/wgrad_impl.cuh"
+
+KFUSE_WGRAD_DEFINE_INSTANCE(wgrad_bf16_128x64,
+                            wgrad_impl::WgradConv<cutlass::bfloat16_t, 128, 64, 64, 32, /*Stages=*/4>)

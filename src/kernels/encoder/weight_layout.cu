@@ -1,0 +1,183 @@
+// Parameter packing and gradient layout kernels of the training step (weight_layout.h). Per step they move ~20 MB
+// (the 4.9 M parameters in and their fp32 gradients out): a few microseconds, one launch each way from a job table.
+#include "kernels/encoder/weight_layout.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/encoder/numeric.cuh"
+
+namespace kfuse::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPackCtasPerJob = 128;
+constexpr int kGradCtasPerJob = 64;  // also the number of dot-product partial sums per job
+
+__device__ inline float load_param(const void* src, ParamDType dt, int64_t i) {
+  switch (dt) {
+    case ParamDType::kF16: return __half2float(static_cast<const __half*>(src)[i]);
+    case ParamDType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(src)[i]);
+    default: return static_cast<const float*>(src)[i];
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) pack_params_kernel(const PackJob* jobs, uint8_t* base) {
+  const PackJob j = jobs[blockIdx.y];
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < j.count; i += stride) {
+    if (j.kind == PackKind::kCopyF32) {
+      reinterpret_cast<float*>(base + j.dst_offset)[i] = load_param(j.src, j.src_dtype, i);
+      continue;
+    }
+    float v = 0.f;
+    if (j.kind == PackKind::kKrsc) {  // dst [k][r][s][c]
+      const int64_t c = i % j.c, rs = (i / j.c) % (j.r * j.s), k = i / (int64_t(j.c) * j.r * j.s);
+      v = load_param(j.src, j.src_dtype, (k * j.c + c) * j.r * j.s + rs);
+    } else if (j.kind == PackKind::kFlip) {  // dst [c][r][s][k] = src[k][c][R-1-r][S-1-s]
+      const int64_t k = i % j.k, rs = (i / j.k) % (j.r * j.s), c = i / (int64_t(j.k) * j.r * j.s);
+      const int64_t r = rs / j.s, s = rs % j.s;
+      v = load_param(j.src, j.src_dtype, ((k * j.c + c) * j.r + (j.r - 1 - r)) * j.s + (j.s - 1 - s));
+    } else if (j.kind == PackKind::kPooled) {  // dst [k][9][c] = src[k][c] / 9
+      const int64_t c = i % j.c, k = i / (9 * int64_t(j.c));
+      v = load_param(j.src, j.src_dtype, k * j.c + c) / 9.0f;
+    } else {  // kStem: dst [kpad][p], row < kin ? src[p][row] : 0
+      const int64_t p = i % j.k, row = i / j.k;
+      if (row < j.c) v = load_param(j.src, j.src_dtype, p * j.c + row);
+    }
+    reinterpret_cast<T*>(base + j.dst_offset)[i] = to_t<T>(v);
+  }
+}
+
+template <class T>
+__device__ inline float block_sum(float v, float* smem) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = 0.f;
+  if (warp == 0) {
+    v = lane < int(blockDim.x / 32) ? smem[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  __syncthreads();
+  return v;  // valid in thread 0
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) grad_finalize_kernel(const GradJob* jobs, float* partials) {
+  __shared__ float smem[kThreads / 32];
+  const GradJob j = jobs[blockIdx.y];
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  float dot = 0.f;
+  if (j.kind == 0) {
+    const float alpha = j.alpha ? *j.alpha : 1.0f;
+    const int64_t n = int64_t(j.k) * j.c * j.r * j.s, rs_n = int64_t(j.r) * j.s;
+    // Walk g in its own (KRSC) order: coalesced reads and the dot product; the transposed writes go through L2.
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+      const int64_t c = i % j.c, rs = (i / j.c) % rs_n, k = i / (j.c * rs_n);
+      const float g = j.g[i];
+      j.dst[(k * j.c + c) * rs_n + rs] = alpha * g;
+      if (j.dot_w) dot += to_f<T>(static_cast<const T*>(j.dot_w)[i]) * g;
+    }
+  } else {
+    const int64_t n = int64_t(j.k) * j.c;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+      const int64_t c = i % j.c, k = i / j.c;
+      float s = 0.f;
+      for (int t = 0; t < 9; ++t) s += j.g[(k * 9 + t) * j.c + c];
+      j.dst[i] = s / 9.0f;
+    }
+  }
+  if (j.dot_w == nullptr) return;  // uniform per CTA
+  dot = block_sum<T>(dot, smem);
+  if (threadIdx.x == 0) partials[blockIdx.y * kGradCtasPerJob + blockIdx.x] = dot;
+}
+
+__global__ void dot_reduce_kernel(const GradJob* jobs, const float* partials) {
+  const GradJob j = jobs[blockIdx.x];
+  if (j.dot_w == nullptr) return;
+  float v = 0.f;
+  for (int i = threadIdx.x; i < kGradCtasPerJob; i += 32) v += partials[blockIdx.x * kGradCtasPerJob + i];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x == 0) *j.dst_dot = v;
+}
+
+constexpr int kAddCtas = 256;
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) add_and_sum_kernel(const uint4* a, const uint4* b, uint4* out,
+                                                               int64_t vectors, float* partials) {
+  __shared__ float smem[kThreads / 32];
+  float sum = 0.f;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors; i += int64_t(gridDim.x) * blockDim.x) {
+    uint4 va = a[i], vb = b[i], vo;
+    const T* ta = reinterpret_cast<const T*>(&va);
+    const T* tb = reinterpret_cast<const T*>(&vb);
+    T* to = reinterpret_cast<T*>(&vo);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float fa = to_f<T>(ta[e]);
+      sum += fa;
+      to[e] = to_t<T>(fa + to_f<T>(tb[e]));
+    }
+    out[i] = vo;
+  }
+  sum = block_sum<T>(sum, smem);
+  if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+}
+
+__global__ void sum_partials_kernel(const float* partials, int count, float* out) {
+  float v = 0.f;
+  for (int i = threadIdx.x; i < count; i += 32) v += partials[i];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x == 0) *out = v;
+}
+
+}  // namespace
+
+cudaError_t launch_pack_params(const PackJob* jobs, int count, void* dst_base, ConvDType dtype, cudaStream_t stream) {
+  if (count <= 0 || jobs == nullptr || dst_base == nullptr || count > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(kPackCtasPerJob, count);
+  auto* base = static_cast<uint8_t*>(dst_base);
+  if (dtype == ConvDType::kF16)
+    pack_params_kernel<__half><<<grid, kThreads, 0, stream>>>(jobs, base);
+  else
+    pack_params_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(jobs, base);
+  return cudaGetLastError();
+}
+
+size_t grad_finalize_workspace_bytes(int count) { return size_t(count > 0 ? count : 0) * kGradCtasPerJob * 4; }
+
+cudaError_t launch_grad_finalize(const GradJob* jobs, int count, ConvDType dtype, void* workspace,
+                                 cudaStream_t stream) {
+  if (count <= 0 || jobs == nullptr || workspace == nullptr || count > 65535) return cudaErrorInvalidValue;
+  auto* partials = static_cast<float*>(workspace);
+  const dim3 grid(kGradCtasPerJob, count);
+  if (dtype == ConvDType::kF16)
+    grad_finalize_kernel<__half><<<grid, kThreads, 0, stream>>>(jobs, partials);
+  else
+    grad_finalize_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(jobs, partials);
+  dot_reduce_kernel<<<count, 32, 0, stream>>>(jobs, partials);
+  return cudaGetLastError();
+}
+
+size_t add_and_sum_workspace_bytes(int64_t) { return kAddCtas * sizeof(float); }
+
+cudaError_t launch_add_and_sum(const void* a, const void* b, void* out, int64_t n, float* sum_a, ConvDType dtype,
+                               void* workspace, cudaStream_t stream) {
+  if (!a || !b || !out || !sum_a || !workspace || n <= 0 || n % 8) return cudaErrorInvalidValue;
+  auto* partials = static_cast<float*>(workspace);
+  const auto* va = static_cast<const uint4*>(a);
+  const auto* vb = static_cast<const uint4*>(b);
+  auto* vo = static_cast<uint4*>(out);
+  if (dtype == ConvDType::kF16)
+    add_and_sum_kernel<__half><<<kAddCtas, kThreads, 0, stream>>>(va, vb, vo, n / 8, partials);
+  else
+    add_and_sum_kernel<__nv_bfloat16><<<kAddCtas, kThreads, 0, stream>>>(va, vb, vo, n / 8, partials);
+  sum_partials_kernel<<<1, 32, 0, stream>>>(partials, kAddCtas, sum_a);
+  return cudaGetLastError();
+}
+
+}  // namespace kfuse::kernels

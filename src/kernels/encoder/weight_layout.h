@@ -1,0 +1,62 @@
+// Parameter layouts of the training step, on the device: packing PyTorch-layout parameters (as the optimizer holds
+// them, fp32 / fp16 / bf16) into the kernels' layouts before each forward, and turning the kernels' fp32 weight
+// gradients back into PyTorch's layouts after the backward. Both run from a job table in device memory, so a whole
+// network costs one launch each way. Plain launchers, no CUTLASS.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "kernels/conv/conv_fixup.h"  // ConvDType
+
+namespace kfuse::kernels {
+
+enum class ParamDType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// One parameter into the packed weight buffer (dst_offset: bytes from its base).
+//   kCopyF32: src [count] -> float [count]
+//   kKrsc:    src [k][c][r][s] -> T [k][r][s][c]                       (a conv filter for fprop / dgrad / wgrad)
+//   kFlip:    src [k][c][r][s] -> T [c][r][s][k], taps flipped:  dst[c][r][s][k] = src[k][c][R-1-r][S-1-s]
+//             (the forward conv whose output is the data gradient of a stride-1 conv with symmetric padding)
+//   kPooled:  src [k][c][1][1] -> T [k][3][3][c] = src / 9            (avgpool3x3 + conv1x1 as one 3x3 conv)
+//   kStem:    src [p][kin][1][1] -> T [kpad][p], rows >= kin zero    (the stem's GEMM operand B)
+enum class PackKind : int32_t { kCopyF32 = 0, kKrsc, kFlip, kPooled, kStem };
+struct PackJob {
+  const void* src = nullptr;
+  int64_t dst_offset = 0;
+  int64_t count = 0;  // output elements
+  PackKind kind = PackKind::kCopyF32;
+  ParamDType src_dtype = ParamDType::kF32;
+  int32_t k = 0, c = 0, r = 0, s = 0;  // kStem: k = p, c = kin, r = kpad
+};
+// jobs: device array of `count` PackJob.
+cudaError_t launch_pack_params(const PackJob* jobs, int count, void* dst_base, ConvDType dtype, cudaStream_t stream);
+
+// One weight gradient from the kernels' fp32 KRSC sums into PyTorch's layout in the flat fp32 gradient buffer.
+//   kKcrs:   g [k][r][s][c] -> dst [k][c][r][s] * (alpha ? *alpha : 1); with `dot_w` (packed T [k][r][s][c]) also
+//            dst_dot = sum(dot_w * g) (the gradient of a scalar that multiplied the conv's output: fixup_scale)
+//   kPooled: g [k][3][3][c] -> dst [k][c] = sum over the 9 taps / 9
+struct GradJob {
+  const float* g = nullptr;
+  float* dst = nullptr;
+  const float* alpha = nullptr;
+  const void* dot_w = nullptr;
+  float* dst_dot = nullptr;
+  int32_t kind = 0;  // 0 kKcrs, 1 kPooled
+  int32_t k = 0, c = 0, r = 0, s = 0;
+};
+// Device bytes of the partial sums the dot products need.
+size_t grad_finalize_workspace_bytes(int count);
+// jobs: device array of `count` GradJob.
+cudaError_t launch_grad_finalize(const GradJob* jobs, int count, ConvDType dtype, void* workspace,
+                                 cudaStream_t stream);
+
+// out = a + b elementwise over n values of T (n % 8 == 0, 16-byte aligned), and *sum_a = sum of a (fp32, fixed
+// order). The data gradient of an identity block: dx = d(conv1 input) + d(identity).
+size_t add_and_sum_workspace_bytes(int64_t n);
+cudaError_t launch_add_and_sum(const void* a, const void* b, void* out, int64_t n, float* sum_a, ConvDType dtype,
+                               void* workspace, cudaStream_t stream);
+
+}  // namespace kfuse::kernels

@@ -1,0 +1,499 @@
+// Internal: the state of an EncoderGpu (its Impl), shared by the inference orchestration (encoder_gpu.cpp) and the
+// training step (encoder_train.cpp). Not installed.
+#pragma once
+
+#include <cstring>
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/conv/conv_fixup.h"
+#include "kernels/encoder/encoder_kernels.h"
+#include "kfuse/encoder_gpu.h"
+#include "kfuse/error.h"
+#include "runtime/conv_selection.h"
+#include "runtime/half_bits.h"
+
+namespace kfuse {
+namespace gpu_detail {
+
+using kernels::Conv2dProblem;
+using kernels::ConvDType;
+using kernels::ConvTile;
+
+inline void check_cuda(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) throw Error("kfuse: " + what + " failed: " + cudaGetErrorString(e));
+}
+
+// The packed weight buffer: every array 256-byte aligned in one device allocation. The layout is planned once per
+// encoder (plan_weights); set_weights fills it from host tensors, the training step on the device from PyTorch's
+// tensors (weight_layout.h). Within a block the shortcut filter directly follows conv1's, so that the two form one
+// [2P][3][3][Cin] filter: the training step's data and weight gradients of both convolutions run as one GEMM each.
+class HostWeights {
+ public:
+  HostWeights(size_t bytes, GpuPrecision p) : bytes_(bytes, 0), precision_(p) {}
+  void put_t(size_t off, const std::vector<float>& v) {  // network storage type
+    const ConvDType dt = precision_ == GpuPrecision::kFloat16 ? ConvDType::kF16 : ConvDType::kBF16;
+    for (size_t i = 0; i < v.size(); ++i) {
+      const uint16_t b = float_to_bits(v[i], dt);
+      std::memcpy(&bytes_[off + 2 * i], &b, 2);
+    }
+  }
+  void put_f32(size_t off, const std::vector<float>& v) {
+    if (!v.empty()) std::memcpy(&bytes_[off], v.data(), 4 * v.size());
+  }
+  const std::vector<uint8_t>& bytes() const { return bytes_; }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  GpuPrecision precision_;
+};
+
+// [K, C, R, S] -> [K, R, S, C]
+inline std::vector<float> krsc(const HostTensor<float>& w) {
+  const int64_t K = w.dim(0), C = w.dim(1), R = w.dim(2), S = w.dim(3);
+  std::vector<float> out(static_cast<size_t>(w.numel()));
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t s = 0; s < S; ++s) out[((k * R + r) * S + s) * C + c] = w.at(k, c, r, s);
+  return out;
+}
+
+// avgpool3x3(stride, pad 1, /9) followed by conv1x1(Wd) is exactly conv3x3(stride, pad 1) with Wd / 9 on every tap:
+// one implicit GEMM instead of a pool pass plus a GEMM.
+inline std::vector<float> pooled_shortcut_krsc(const HostTensor<float>& wd) {
+  const int64_t K = wd.dim(0), C = wd.dim(1);
+  std::vector<float> out(static_cast<size_t>(K * 9 * C));
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t t = 0; t < 9; ++t)
+      for (int64_t c = 0; c < C; ++c) out[(k * 9 + t) * C + c] = wd.at(k, c, 0, 0) / 9.0f;
+  return out;
+}
+
+// [K, C, R, S] -> [C, R, S, K] with the taps flipped: the filter of the forward conv that computes the data
+// gradient of a stride-1 conv with symmetric padding.
+inline std::vector<float> flipped_crsk(const HostTensor<float>& w) {
+  const int64_t K = w.dim(0), C = w.dim(1), R = w.dim(2), S = w.dim(3);
+  std::vector<float> out(static_cast<size_t>(w.numel()));
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t s = 0; s < S; ++s) out[((c * R + r) * S + s) * K + k] = w.at(k, c, R - 1 - r, S - 1 - s);
+  return out;
+}
+
+constexpr size_t kNone = SIZE_MAX;
+struct BlockWeights {  // byte offsets into the packed weights; kNone where the block has no such array
+  size_t conv1, shortcut, conv2, fc1_w, fc1_b, fc2_w, fc2_b, scalars;
+  size_t conv2_flip, conv1_flip;  // training only: data gradients of the stride-1 convs as forward convs
+};
+struct WeightLayout {
+  size_t stem_w = 0;
+  std::vector<BlockWeights> blocks;
+  size_t bytes = 0;
+};
+inline WeightLayout plan_weights(const EncoderConfig& config, const std::vector<EncoderConfig::Block>& blocks,
+                                 int kpad) {
+  WeightLayout L;
+  auto take = [&](size_t bytes) {
+    const size_t off = (L.bytes + 255) / 256 * 256;
+    L.bytes = off + bytes;
+    return off;
+  };
+  L.stem_w = take(2 * size_t(kpad) * config.base_planes);
+  for (const auto& b : blocks) {
+    BlockWeights W{};
+    const size_t conv1 = 2 * size_t(b.planes) * 9 * b.in_planes;
+    W.conv1 = take(conv1);
+    W.shortcut = kNone;
+    if (b.has_downsample) {
+      W.shortcut = take(2 * size_t(b.planes) * b.in_planes * (b.stride > 1 ? 9 : 1));
+      if (W.shortcut != W.conv1 + conv1) throw Error("kfuse: shortcut filter not adjacent to conv1 (internal error)");
+    }
+    W.conv2 = take(2 * size_t(b.planes) * 9 * b.planes);
+    W.fc1_w = take(4 * size_t(b.se_hidden) * b.planes);
+    W.fc1_b = take(4 * size_t(b.se_hidden));
+    W.fc2_w = take(4 * size_t(b.planes) * b.se_hidden);
+    W.fc2_b = take(4 * size_t(b.planes));
+    W.scalars = take(4 * 5);
+    L.blocks.push_back(W);
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const auto& b = blocks[i];
+    L.blocks[i].conv2_flip = take(2 * size_t(b.planes) * 9 * b.planes);
+    L.blocks[i].conv1_flip = b.stride == 1 ? take(2 * size_t(b.planes) * 9 * b.in_planes) : kNone;
+  }
+  return L;
+}
+// scalars[5]: b1a, b1b, b2a, scale, b2b
+enum Scalar { kB1a = 0, kB1b, kB2a, kScale, kB2b };
+
+struct Geometry {
+  int n, h, w;
+  bool operator<(const Geometry& o) const { return std::tie(n, h, w) < std::tie(o.n, o.h, o.w); }
+};
+
+struct Activations {
+  void* base = nullptr;
+  std::vector<void*> x, a, h2, idt, o;  // per block; x[b]: the block's input when its shortcut is the identity
+  std::vector<void*> y;                  // training only: every block's output, NHWC (the backward's ReLU masks)
+  void* x0 = nullptr;
+};
+
+// The launch sequence of one geometry, captured once.
+struct GraphKey {
+  Geometry g;
+  DType x_dtype;
+  Shape x_strides;
+  DType y_dtype;
+  bool operator<(const GraphKey& o) const {
+    return std::tie(g, x_dtype, x_strides, y_dtype) < std::tie(o.g, o.x_dtype, o.x_strides, o.y_dtype);
+  }
+};
+struct Graph {
+  cudaGraph_t graph = nullptr;  // kept: node parameters are patched through its nodes
+  cudaGraphExec_t exec = nullptr;
+  cudaGraphNode_t stem = nullptr, tail = nullptr;
+  kernels::StemArgs stem_args;
+  kernels::SqueezeExciteArgs tail_args;
+};
+
+}  // namespace gpu_detail
+
+using namespace gpu_detail;
+
+// The training step's state (encoder_train.cpp): buffers per geometry, the device job tables. Opaque here.
+struct TrainingState;
+void destroy_training_state(TrainingState* t);
+
+struct EncoderGpu::Impl {
+  EncoderConfig config;
+  std::unique_ptr<TrainingState, void (*)(TrainingState*)> training{nullptr, destroy_training_state};
+  std::vector<EncoderConfig::Block> blocks;
+  GpuPrecision precision;
+  ConvDType dtype;
+  int device;
+  int kpad = 0;
+  void* weights = nullptr;
+  WeightLayout layout;
+  size_t stem_w = 0;
+  std::vector<BlockWeights> bw;  // = layout.blocks
+  bool have_weights = false;
+  float* input_affine = nullptr;  // [2][C]: scale then shift
+  bool use_affine = false;
+  bool use_graphs = true;
+  std::map<Geometry, Activations> activations;
+  std::map<GraphKey, Graph> graphs;
+  // Two equal halves: the main stream's convolutions use the first, the shortcut branch's the second (split-K
+  // semaphores must not be shared by kernels that may run at the same time).
+  void* conv_workspace = nullptr;
+  size_t conv_workspace_bytes = 0;  // per half
+  // The shortcut convolution of a downsampling block runs on a side branch, concurrently with conv1 and conv2: the
+  // late layers fill only 64-128 of the SMs each, so two of them share the machine. Fork/join through events, which
+  // stream capture turns into parallel graph branches.
+  cudaStream_t side = nullptr;
+  std::vector<cudaEvent_t> fork_events, join_events;
+
+  void ensure_side_stream() {
+    if (side) return;
+    check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      cudaEvent_t f, j;
+      check_cuda(cudaEventCreateWithFlags(&f, cudaEventDisableTiming), "cudaEventCreate");
+      check_cuda(cudaEventCreateWithFlags(&j, cudaEventDisableTiming), "cudaEventCreate");
+      fork_events.push_back(f);
+      join_events.push_back(j);
+    }
+  }
+
+  void clear_graphs() {
+    for (auto& [k, g] : graphs) {
+      cudaGraphExecDestroy(g.exec);
+      cudaGraphDestroy(g.graph);
+    }
+    graphs.clear();
+  }
+
+  const uint8_t* w8() const { return static_cast<const uint8_t*>(weights); }
+  const void* wptr(size_t off) const { return w8() + off; }
+  const float* fptr(size_t off) const { return reinterpret_cast<const float*>(w8() + off); }
+
+  struct Device {  // makes `device` current for a scope
+    int previous = 0;
+    explicit Device(int d) {
+      cudaGetDevice(&previous);
+      check_cuda(cudaSetDevice(d), "cudaSetDevice");
+    }
+    ~Device() { cudaSetDevice(previous); }
+  };
+
+  Activations& buffers(const Geometry& g) {
+    auto it = activations.find(g);
+    if (it != activations.end()) return it->second;
+    const size_t es = 2;
+    std::vector<size_t> sizes;  // element counts in allocation order
+    Activations act;
+    int h = g.h / 4, w = g.w / 4;
+    size_t total = 0;
+    auto take = [&](size_t elems) {
+      const size_t off = total;
+      total += (elems * es + 255) / 256 * 256;
+      return off;
+    };
+    const size_t x0 = take(size_t(g.n) * h * w * config.base_planes);
+    struct Offs {
+      size_t x, a, h2, idt, o;
+    };
+    std::vector<Offs> offs;
+    for (const auto& b : blocks) {
+      const size_t in = size_t(g.n) * h * w * b.in_planes;
+      const int ho = h / b.stride, wo = w / b.stride;
+      const size_t out = size_t(g.n) * ho * wo * b.planes;
+      Offs o{};
+      o.x = b.has_downsample ? SIZE_MAX : take(in);
+      o.a = take(in);
+      o.h2 = take(out);
+      o.idt = b.has_downsample ? take(out) : SIZE_MAX;
+      o.o = take(out);
+      offs.push_back(o);
+      h = ho;
+      w = wo;
+    }
+    check_cuda(cudaMalloc(&act.base, total), "cudaMalloc (activations)");
+    auto at = [&](size_t off) { return off == SIZE_MAX ? nullptr : static_cast<void*>(static_cast<uint8_t*>(act.base) + off); };
+    act.x0 = at(x0);
+    for (const Offs& o : offs) {
+      act.x.push_back(at(o.x));
+      act.a.push_back(at(o.a));
+      act.h2.push_back(at(o.h2));
+      act.idt.push_back(at(o.idt));
+      act.o.push_back(at(o.o));
+    }
+    // Block 1's identity is the stem output itself.
+    if (!blocks.empty() && !blocks[0].has_downsample) act.x[0] = act.x0;
+    return activations.emplace(g, std::move(act)).first->second;
+  }
+
+  // Kernel configuration per convolution: the tuner's choice when there is one, else the heuristic.
+  int sm_count = 0;
+  TuningMode tuning_mode = TuningMode::kOnFirstUse;
+  std::map<std::string, ConvConfig> conv_choice;  // conv_shape_key + "/relu" or "/id"
+  std::set<Geometry> tuned;                       // geometries whose convolutions went through the tuner
+  std::unique_ptr<ConvTuningScratch> tuning_scratch;
+  std::unique_ptr<TuningCache> tuning_cache;
+
+  static std::string choice_key(const Conv2dProblem& p, bool relu) {
+    return conv_shape_key(p) + (relu ? "/relu" : "/id");
+  }
+  ConvConfig choose(const Conv2dProblem& p, bool relu) const {
+    const auto it = conv_choice.find(choice_key(p, relu));
+    return it != conv_choice.end() ? it->second : conv_heuristic(p, sm_count, dtype);
+  }
+
+  // Tunes the convolutions of geometry g (conv1 with its ReLU epilogue, conv2 and the shortcut without).
+  std::vector<OpTuningReport> tune(const Geometry& g, TuningMode mode, const EncoderGpu::TuneProgress& progress) {
+    if (!tuning_scratch) tuning_scratch = std::make_unique<ConvTuningScratch>();
+    if (!tuning_cache) tuning_cache = std::make_unique<TuningCache>();
+    std::vector<std::pair<Conv2dProblem, bool>> todo;
+    int h = g.h / 4, w = g.w / 4;
+    for (const auto& b : blocks) {
+      const auto probs = problems(b, g.n, h, w);
+      for (size_t j = 0; j < probs.size(); ++j) todo.emplace_back(probs[j], j == 0);
+      h /= b.stride;
+      w /= b.stride;
+    }
+    std::vector<OpTuningReport> rows;
+    bool changed = false;
+    for (const auto& [p, relu] : todo) {
+      OpTuningReport row;
+      const ConvConfig before = choose(p, relu);
+      const ConvConfig c = tuning_scratch->tune(p, dtype, relu, *tuning_cache, mode, row);
+      conv_choice[choice_key(p, relu)] = c;
+      changed = changed || !(c == before);
+      rows.push_back(row);
+      if (progress) progress(rows.size(), todo.size(), rows.back());
+    }
+    tuned.insert(g);
+    if (changed) {  // workspace sizes and captured kernels may be stale; graphs in flight must finish first
+      check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      checked.clear();
+      clear_graphs();
+    }
+    return rows;
+  }
+
+  void conv(const Conv2dProblem& p, const void* x, size_t w, void* y, const kernels::FixupEpilogue& e,
+            cudaStream_t stream, bool side_branch = false) {
+    const ConvConfig c = choose(p, e.relu);
+    const size_t need = kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k);
+    if (need > conv_workspace_bytes) throw Error("kfuse: conv workspace too small (internal error)");
+    void* ws = conv_workspace ? static_cast<uint8_t*>(conv_workspace) + (side_branch ? conv_workspace_bytes : 0)
+                              : nullptr;
+    check_cuda(kernels::conv2d_fprop_fixup(p, dtype, c.tile, x, wptr(w), y, e, c.split_k, ws, conv_workspace_bytes,
+                                           stream),
+               "conv2d_fprop_fixup (" + c.name() + ", " + conv_shape_key(p) + ")");
+  }
+
+  std::map<Geometry, bool> checked;  // geometries whose convolutions were checked and sized
+
+  void ensure_workspace(const Geometry& g) {
+    if (checked.count(g)) return;
+    size_t need = 0;
+    int h = g.h / 4, w = g.w / 4;
+    for (const auto& b : blocks) {
+      const auto probs = problems(b, g.n, h, w);
+      for (size_t j = 0; j < probs.size(); ++j) {
+        const Conv2dProblem& p = probs[j];
+        const ConvConfig c = choose(p, j == 0);
+        if (!kernels::conv2d_fprop_fixup_can_implement(p, dtype, c.tile, c.split_k))
+          throw InvalidArgument("kfuse: the fused conv kernels cannot run block '" + b.prefix + "' at this size");
+        need = std::max(need, kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k));
+      }
+      h /= b.stride;
+      w /= b.stride;
+    }
+    if (need > conv_workspace_bytes) {
+      if (conv_workspace) cudaFree(conv_workspace);
+      conv_workspace = nullptr;
+      check_cuda(cudaMalloc(&conv_workspace, 2 * need), "cudaMalloc (conv workspace)");
+      conv_workspace_bytes = need;
+      // Captured graphs hold the old workspace address.
+      clear_graphs();
+    }
+    checked[g] = true;
+  }
+
+  // conv1, conv2 and (when there is one) the shortcut of block b whose input is n x h x w.
+  static std::vector<Conv2dProblem> problems(const EncoderConfig::Block& b, int n, int h, int w) {
+    Conv2dProblem c1{n, h, w, b.in_planes, b.planes, 3, 3, 1, 1, b.stride, b.stride};
+    Conv2dProblem c2{n, h / b.stride, w / b.stride, b.planes, b.planes, 3, 3, 1, 1, 1, 1};
+    std::vector<Conv2dProblem> out{c1, c2};
+    if (b.has_downsample) {
+      Conv2dProblem sc = c1;
+      if (b.stride == 1) sc.r = sc.s = 1, sc.pad_h = sc.pad_w = 0;
+      out.push_back(sc);
+    }
+    return out;
+  }
+
+  // Validates a forward's input and output views (InvalidArgument naming the problem).
+  void check_io(const DeviceTensorView& x, const DeviceTensorView& y) const {
+    const Shape out_shape = config.output_shape(x.shape);  // rank, channels, spatial size
+    KFUSE_CHECK(x.strides.size() == 4, InvalidArgument, "input strides must have 4 entries");
+    KFUSE_CHECK(x.device == device && y.device == device, InvalidArgument, "input is on cuda:", x.device,
+                " and output on cuda:", y.device, " but the encoder lives on cuda:", device);
+    KFUSE_CHECK(x.dtype == DType::F32 || x.dtype == DType::F16 || x.dtype == DType::BF16 || x.dtype == DType::U8,
+                InvalidArgument, "input dtype ", dtype_name(x.dtype), " is not supported (F32, F16, BF16 or U8)");
+    const DType t = precision == GpuPrecision::kFloat16 ? DType::F16 : DType::BF16;
+    KFUSE_CHECK(y.dtype == t || y.dtype == DType::F32, InvalidArgument, "output dtype ", dtype_name(y.dtype),
+                " must be ", dtype_name(t), " or F32");
+    KFUSE_CHECK(y.shape == out_shape, InvalidArgument, "output has shape ", shape_str(y.shape), ", expected ",
+                shape_str(out_shape));
+    const Shape packed{out_shape[1] * out_shape[2] * out_shape[3], out_shape[2] * out_shape[3], out_shape[3], 1};
+    KFUSE_CHECK(y.strides == packed, InvalidArgument, "output must be a contiguous NCHW tensor");
+    KFUSE_CHECK(x.data && y.data, InvalidArgument, "null input or output pointer");
+  }
+
+  static kernels::InputDType input_dtype(DType d) {
+    return d == DType::F32 ? kernels::InputDType::kF32
+           : d == DType::F16 ? kernels::InputDType::kF16
+           : d == DType::BF16 ? kernels::InputDType::kBF16
+                              : kernels::InputDType::kU8;
+  }
+
+  // The stem's arguments for input x into the buffers act.
+  kernels::StemArgs stem_args(const DeviceTensorView& x, Activations& act) const {
+    kernels::StemArgs stem;
+    stem.x = x.data;
+    stem.x_dtype = input_dtype(x.dtype);
+    stem.stride_n = x.strides[0];
+    stem.stride_c = x.strides[1];
+    stem.stride_h = x.strides[2];
+    stem.stride_w = x.strides[3];
+    stem.n = int(x.shape[0]);
+    stem.c = config.in_channels;
+    stem.h = int(x.shape[2]);
+    stem.w = int(x.shape[3]);
+    stem.in_scale = use_affine ? input_affine : nullptr;
+    stem.in_shift = use_affine ? input_affine + config.in_channels : nullptr;
+    stem.weight = wptr(stem_w);
+    stem.kpad = kpad;
+    stem.p0 = config.base_planes;
+    stem.b1a = fptr(bw[0].scalars) + kB1a;
+    stem.x0 = act.x0;
+    stem.a0 = act.a[0];
+    return stem;
+  }
+
+  // Tunes geometry g's convolutions on first use, as the tuning mode says (never inside a stream capture).
+  void tune_on_first_use(const Geometry& g, cudaStream_t stream) {
+    if (tuned.count(g) || tuning_mode == TuningMode::kOff) return;
+    // Tuning synchronizes and allocates: never inside someone's stream capture (the heuristic runs instead).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+    if (capture == cudaStreamCaptureStatusNone) tune(g, tuning_mode, nullptr);
+  }
+
+  // Launches the whole forward on `stream` (also used under stream capture).
+  void launch(const Geometry& g, const kernels::StemArgs& stem_args, kernels::SqueezeExciteArgs tail,
+              cudaStream_t stream) {
+    launch(g, buffers(g), stem_args, tail, stream);
+  }
+  // The same on the buffers `act` (the training step's, which also keep every block's output in act.y).
+  void launch(const Geometry& g, Activations& act, const kernels::StemArgs& stem_args,
+              kernels::SqueezeExciteArgs tail, cudaStream_t stream) {
+    check_cuda(kernels::launch_stem(stem_args, dtype, stream), "stem kernel");
+    int h = g.h / 4, w = g.w / 4;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const auto& b = blocks[i];
+      const BlockWeights& W = bw[i];
+      const float* s = fptr(W.scalars);
+      const auto probs = problems(b, g.n, h, w);
+      if (b.has_downsample) {  // fork: the shortcut needs only a[i], like conv1
+        ensure_side_stream();
+        check_cuda(cudaEventRecord(fork_events[i], stream), "cudaEventRecord");
+        check_cuda(cudaStreamWaitEvent(side, fork_events[i], 0), "cudaStreamWaitEvent");
+        conv(probs[2], act.a[i], W.shortcut, act.idt[i], kernels::FixupEpilogue{}, side, /*side_branch=*/true);
+        check_cuda(cudaEventRecord(join_events[i], side), "cudaEventRecord");
+      }
+      kernels::FixupEpilogue e1{nullptr, s + kB1b, s + kB2a, true};  // h + b2a = relu(acc + b1b) + b2a
+      conv(probs[0], act.a[i], W.conv1, act.h2[i], e1, stream);
+      kernels::FixupEpilogue e2{s + kScale, s + kB2b, nullptr, false};  // o = acc * scale + b2b
+      conv(probs[1], act.h2[i], W.conv2, act.o[i], e2, stream);
+      if (b.has_downsample)  // join before the squeeze-excite, which reads the shortcut's output
+        check_cuda(cudaStreamWaitEvent(stream, join_events[i], 0), "cudaStreamWaitEvent");
+
+      kernels::SqueezeExciteArgs se = tail;  // out_nchw / out_f32 are the tail's; cleared below for inner blocks
+      se.o = act.o[i];
+      se.identity = b.has_downsample ? act.idt[i] : act.x[i];
+      se.n = g.n;
+      se.hw = (h / b.stride) * (w / b.stride);
+      se.p = b.planes;
+      se.hidden = b.se_hidden;
+      se.w1 = fptr(W.fc1_w);
+      se.b1 = fptr(W.fc1_b);
+      se.w2 = fptr(W.fc2_w);
+      se.b2 = fptr(W.fc2_b);
+      se.y = nullptr;
+      se.a_next = nullptr;
+      se.next_b1a = nullptr;
+      if (i + 1 < blocks.size()) {
+        se.out_nchw = nullptr;
+        se.a_next = act.a[i + 1];
+        se.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
+        if (!blocks[i + 1].has_downsample) se.y = act.x[i + 1];
+      }
+      if (!act.y.empty()) se.y = act.y[i];
+      check_cuda(kernels::launch_squeeze_excite(se, dtype, stream), "squeeze-excite kernel");
+      h /= b.stride;
+      w /= b.stride;
+    }
+  }
+};
+
+}  // namespace kfuse

@@ -1,0 +1,580 @@
+// Orchestration of the training step (no kernel code here): device-side parameter packing, the training forward
+// (the inference launch sequence, keeping every block's output), and the backward, block by block from the last:
+//
+//   SE + residual backward  -> d_o, dz (= d identity), SE parameter gradients, sum d_o (b2b), sum dy (next b1a)
+//   conv2 wgrad (h2, d_o)   -> G2;  dW2 = scale * G2,  d scale = <W2, G2>      (no stash of conv2's raw output)
+//   conv2 dgrad             -> dh2 = scale * conv2^T(d_o), a forward conv with flipped filters (tuned kernels)
+//   ReLU-mask backward      -> d_pre1 (where relu was active), sum dh2 (b2a), sum d_pre1 (b1b)
+//   conv1 [+ shortcut]      -> the downsampling blocks keep [d_pre1 | dz] as one 2P-channel gradient and the two
+//                              filters as one [2P][3][3][Cin] filter (the shortcut is a 3x3 conv with Wd/9 taps), so
+//                              one wgrad and one strided dgrad serve both; identity blocks: conv1's dgrad as a forward
+//                              conv with flipped filters, plus dz
+//   stem backward           -> dW_stem, sum da (block 1's b1a), and dL/dx when asked
+//   gradient finalize       -> KRSC fp32 sums into PyTorch's layouts (one launch for the network)
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <unordered_map>
+
+#include "kernels/conv/conv_backward.h"
+#include "kernels/encoder/backward_kernels.h"
+#include "kernels/encoder/weight_layout.h"
+#include "kfuse/encoder_gpu.h"
+#include "runtime/encoder_gpu_impl.h"
+
+namespace kfuse {
+
+using kernels::BackwardTile;
+using kernels::GradJob;
+using kernels::PackJob;
+using kernels::PackKind;
+using kernels::ParamDType;
+
+// The buffers of one training geometry: the forward's stash and the backward's gradients.
+struct TrainBuffers {
+  void* base = nullptr;
+  Activations act;                               // forward: x0, a, h2, o, y (stash) and idt (scratch)
+  std::vector<void*> d_o, dh2, dcat, dz, dx;     // per block; dz only for identity blocks (else inside dcat)
+  std::vector<float*> g1, g2;                    // fp32 KRSC weight-gradient sums: conv1 [+ shortcut], conv2
+  uint64_t stash = 0;                            // id of the forward whose values the buffers hold (0: none)
+  DType y_dtype = DType::F32;
+};
+
+struct TrainingState {
+  std::map<Geometry, TrainBuffers> buffers;
+  uint64_t next_stash = 1;
+  // Parameter order and flat-gradient offsets (parameter_specs order).
+  std::unordered_map<std::string, size_t> index;
+  std::vector<int64_t> grad_offset;
+  // Device job tables, re-uploaded only when their contents change.
+  std::vector<PackJob> pack_jobs;
+  PackJob* d_pack_jobs = nullptr;
+  std::vector<GradJob> grad_jobs;
+  GradJob* d_grad_jobs = nullptr;
+  size_t grad_job_capacity = 0;
+  // One scratch area for the backward's workspaces (the launches on one stream run one after another).
+  void* scratch = nullptr;
+  size_t scratch_bytes = 0;
+  bool weights_from_device = false;
+
+  ~TrainingState() {
+    for (auto& [g, b] : buffers) cudaFree(b.base);
+    cudaFree(d_pack_jobs);
+    cudaFree(d_grad_jobs);
+    cudaFree(scratch);
+  }
+};
+
+void destroy_training_state(TrainingState* t) { delete t; }
+
+namespace gpu_detail {
+namespace {
+
+size_t align256(size_t b) { return (b + 255) / 256 * 256; }
+
+ParamDType param_dtype(DType d) {
+  switch (d) {
+    case DType::F32: return ParamDType::kF32;
+    case DType::F16: return ParamDType::kF16;
+    case DType::BF16: return ParamDType::kBF16;
+    default: throw InvalidArgument(std::string("kfuse: parameters must be F32, F16 or BF16, got ") + dtype_name(d));
+  }
+}
+
+// Weight-gradient configuration: the GEMM is M = k, N = r*s*c, K = n*p*q (huge): split K so that the tiles fill
+// the machine about twice, keeping at least 256 of K per slice.
+struct WgradConfig {
+  BackwardTile tile;
+  int split_k;
+};
+WgradConfig wgrad_config(const Conv2dProblem& p, ConvDType dtype, int sm_count) {
+  const BackwardTile tile = dtype == ConvDType::kBF16 ? BackwardTile::k128x64
+                            : p.k >= 128                ? BackwardTile::k128x128
+                                                        : BackwardTile::k64x64;
+  const int tm = tile == BackwardTile::k64x64 ? 64 : 128;
+  const int tn = tile == BackwardTile::k128x128 ? 128 : 64;
+  const int64_t tiles = int64_t((p.k + tm - 1) / tm) * ((p.r * p.s * p.c + tn - 1) / tn);
+  const int64_t gemm_k = int64_t(p.n) * p.p() * p.q();
+  int64_t split = std::max<int64_t>(1, (2 * sm_count + tiles - 1) / tiles);
+  split = std::min<int64_t>({split, 256, std::max<int64_t>(1, gemm_k / 256)});
+  return {tile, int(split)};
+}
+
+// Strided data gradient: M = n*h*w, N = c.
+BackwardTile dgrad_tile(const Conv2dProblem& p, ConvDType dtype) {
+  if (dtype == ConvDType::kBF16) return BackwardTile::k128x64;
+  return p.c >= 128 ? BackwardTile::k128x128 : BackwardTile::k128x64;
+}
+
+}  // namespace
+}  // namespace gpu_detail
+
+namespace {
+
+using namespace gpu_detail;
+
+TrainingState& training(EncoderGpu::Impl& m) {
+  if (!m.training) {
+    m.training.reset(new TrainingState);
+    TrainingState& t = *m.training;
+    int64_t off = 0;
+    const auto specs = m.config.parameter_specs();
+    for (size_t i = 0; i < specs.size(); ++i) {
+      t.index[specs[i].name] = i;
+      t.grad_offset.push_back(off);
+      int64_t numel = 1;
+      for (int64_t d : specs[i].shape) numel *= d;
+      off += numel;
+    }
+  }
+  return *m.training;
+}
+
+// What the backward kernels cover (the forward and the packing cover more).
+void check_trainable(const EncoderGpu::Impl& m) {
+  KFUSE_CHECK(m.config.base_planes <= 64, Unsupported, "kfuse's training step supports base_planes up to 64, got ",
+              m.config.base_planes);
+  for (const auto& b : m.blocks)
+    KFUSE_CHECK(!b.has_downsample || b.stride > 1, Unsupported, "kfuse's training step does not cover block '",
+                b.prefix, "' (a 1x1 shortcut without stride)");
+}
+
+size_t param_index(const TrainingState& t, const std::string& name) {
+  const auto it = t.index.find(name);
+  if (it == t.index.end()) throw Error("kfuse: unknown parameter " + name + " (internal error)");
+  return it->second;
+}
+
+void ensure_scratch(TrainingState& t, size_t bytes) {
+  if (bytes <= t.scratch_bytes) return;
+  cudaFree(t.scratch);  // synchronizes with the device: nothing in flight still uses the old area
+  t.scratch = nullptr;
+  t.scratch_bytes = 0;
+  check_cuda(cudaMalloc(&t.scratch, bytes), "cudaMalloc (training scratch)");
+  t.scratch_bytes = bytes;
+}
+
+// Problems of block b whose input is n x h x w (forward conventions of conv_backward.h).
+struct BlockProblems {
+  Conv2dProblem conv1;      // a -> h2 (k = P)
+  Conv2dProblem conv1_cat;  // a -> [conv1 | shortcut] (k = 2P for downsampling blocks, else = conv1)
+  Conv2dProblem conv2;      // h2 -> o
+  Conv2dProblem conv1_dgrad_fwd;  // identity blocks: dcat (P) -> da (Cin) as a forward conv with flipped filters
+};
+BlockProblems block_problems(const EncoderConfig::Block& b, int n, int h, int w) {
+  BlockProblems bp;
+  bp.conv1 = Conv2dProblem{n, h, w, b.in_planes, b.planes, 3, 3, 1, 1, b.stride, b.stride};
+  bp.conv1_cat = bp.conv1;
+  if (b.has_downsample) bp.conv1_cat.k = 2 * b.planes;
+  bp.conv2 = Conv2dProblem{n, h / b.stride, w / b.stride, b.planes, b.planes, 3, 3, 1, 1, 1, 1};
+  bp.conv1_dgrad_fwd = Conv2dProblem{n, h, w, b.planes, b.in_planes, 3, 3, 1, 1, 1, 1};
+  return bp;
+}
+
+TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g) {
+  auto it = t.buffers.find(g);
+  if (it != t.buffers.end()) return it->second;
+  size_t total = 0;
+  auto take = [&](size_t bytes) {
+    const size_t off = total;
+    total += align256(bytes);
+    return off;
+  };
+  const size_t es = 2;
+  struct Offs {
+    size_t a, h2, o, y, idt, d_o, dh2, dcat, dz, dx, g1, g2;
+  };
+  int h = g.h / 4, w = g.w / 4;
+  const size_t x0 = take(es * g.n * h * w * m.config.base_planes);
+  std::vector<Offs> offs;
+  for (const auto& b : m.blocks) {
+    const size_t in = size_t(g.n) * h * w * b.in_planes;
+    const size_t out = size_t(g.n) * (h / b.stride) * (w / b.stride) * b.planes;
+    Offs o{};
+    o.a = take(es * in);
+    o.h2 = take(es * out);
+    o.o = take(es * out);
+    o.y = take(es * out);
+    o.idt = b.has_downsample ? take(es * out) : kNone;
+    o.d_o = take(es * out);
+    o.dh2 = take(es * out);
+    o.dcat = take(es * out * (b.has_downsample ? 2 : 1));
+    o.dz = b.has_downsample ? kNone : take(es * out);
+    o.dx = take(es * in);
+    o.g1 = take(4 * size_t(b.has_downsample ? 2 : 1) * b.planes * 9 * b.in_planes);
+    o.g2 = take(4 * size_t(b.planes) * 9 * b.planes);
+    offs.push_back(o);
+    h /= b.stride;
+    w /= b.stride;
+  }
+  TrainBuffers tb;
+  check_cuda(cudaMalloc(&tb.base, total), "cudaMalloc (training buffers, " + std::to_string(total >> 20) + " MiB)");
+  auto at = [&](size_t off) {
+    return off == kNone ? nullptr : static_cast<void*>(static_cast<uint8_t*>(tb.base) + off);
+  };
+  tb.act.base = nullptr;  // owned by tb.base
+  tb.act.x0 = at(x0);
+  for (size_t i = 0; i < offs.size(); ++i) {
+    const Offs& o = offs[i];
+    tb.act.a.push_back(at(o.a));
+    tb.act.h2.push_back(at(o.h2));
+    tb.act.o.push_back(at(o.o));
+    tb.act.y.push_back(at(o.y));
+    tb.act.idt.push_back(at(o.idt));
+    // An identity block's input is the previous block's output (the stem's for the first).
+    tb.act.x.push_back(m.blocks[i].has_downsample ? nullptr : (i == 0 ? tb.act.x0 : at(offs[i - 1].y)));
+    tb.d_o.push_back(at(o.d_o));
+    tb.dh2.push_back(at(o.dh2));
+    tb.dcat.push_back(at(o.dcat));
+    tb.dz.push_back(at(o.dz));
+    tb.dx.push_back(at(o.dx));
+    tb.g1.push_back(static_cast<float*>(at(o.g1)));
+    tb.g2.push_back(static_cast<float*>(at(o.g2)));
+  }
+  return t.buffers.emplace(g, std::move(tb)).first->second;
+}
+
+void ensure_conv_workspace(EncoderGpu::Impl& m, size_t need) {
+  if (need <= m.conv_workspace_bytes) return;
+  if (m.conv_workspace) cudaFree(m.conv_workspace);
+  m.conv_workspace = nullptr;
+  m.conv_workspace_bytes = 0;
+  check_cuda(cudaMalloc(&m.conv_workspace, 2 * need), "cudaMalloc (conv workspace)");
+  m.conv_workspace_bytes = need;
+  m.clear_graphs();  // captured graphs hold the old workspace address
+}
+
+}  // namespace
+
+void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DType dtype, cudaStream_t stream) {
+  Impl& m = *impl_;
+  TrainingState& t = training(m);
+  const ParamDType pd = param_dtype(dtype);
+  KFUSE_CHECK(params.size() == t.grad_offset.size(), InvalidArgument, "set_weights_device: expected ",
+              t.grad_offset.size(), " parameters, got ", params.size());
+  for (size_t i = 0; i < params.size(); ++i)
+    KFUSE_CHECK(params[i] != nullptr, InvalidArgument, "set_weights_device: parameter ", i, " is a null pointer");
+  auto src = [&](const std::string& name) { return params[param_index(t, name)]; };
+  std::vector<PackJob> jobs;
+  auto add = [&](const void* s, size_t dst, int64_t count, PackKind kind, int k = 0, int c = 0, int r = 0,
+                 int sz = 0) {
+    PackJob j;
+    j.src = s;
+    j.dst_offset = int64_t(dst);
+    j.count = count;
+    j.kind = kind;
+    j.src_dtype = pd;
+    j.k = k, j.c = c, j.r = r, j.s = sz;
+    jobs.push_back(j);
+  };
+  const int p0 = m.config.base_planes, kin = 16 * m.config.in_channels;
+  add(src("stem.1.weight"), m.stem_w, int64_t(m.kpad) * p0, PackKind::kStem, p0, kin, m.kpad);
+  for (size_t i = 0; i < m.blocks.size(); ++i) {
+    const auto& b = m.blocks[i];
+    const BlockWeights& W = m.bw[i];
+    const int P = b.planes, C = b.in_planes, H = b.se_hidden;
+    const void* w1 = src(b.prefix + "conv1.weight");
+    const void* w2 = src(b.prefix + "conv2.weight");
+    add(w1, W.conv1, int64_t(P) * 9 * C, PackKind::kKrsc, P, C, 3, 3);
+    add(w2, W.conv2, int64_t(P) * 9 * P, PackKind::kKrsc, P, P, 3, 3);
+    add(w2, W.conv2_flip, int64_t(P) * 9 * P, PackKind::kFlip, P, P, 3, 3);
+    if (W.conv1_flip != kNone) add(w1, W.conv1_flip, int64_t(P) * 9 * C, PackKind::kFlip, P, C, 3, 3);
+    if (b.has_downsample) {
+      const void* wd = src(b.prefix + b.downsample_weight());
+      if (b.stride > 1)
+        add(wd, W.shortcut, int64_t(P) * 9 * C, PackKind::kPooled, P, C, 1, 1);
+      else
+        add(wd, W.shortcut, int64_t(P) * C, PackKind::kKrsc, P, C, 1, 1);
+    }
+    add(src(b.prefix + "se.excite.0.weight"), W.fc1_w, int64_t(H) * P, PackKind::kCopyF32);
+    add(src(b.prefix + "se.excite.0.bias"), W.fc1_b, H, PackKind::kCopyF32);
+    add(src(b.prefix + "se.excite.2.weight"), W.fc2_w, int64_t(P) * H, PackKind::kCopyF32);
+    add(src(b.prefix + "se.excite.2.bias"), W.fc2_b, P, PackKind::kCopyF32);
+    const char* scalars[5] = {"fixup_bias1a", "fixup_bias1b", "fixup_bias2a", "fixup_scale", "fixup_bias2b"};
+    for (int s = 0; s < 5; ++s) add(src(b.prefix + scalars[s]), W.scalars + 4 * s, 1, PackKind::kCopyF32);
+  }
+  Impl::Device scope(m.device);
+  const bool same = jobs.size() == t.pack_jobs.size() &&
+                    std::memcmp(jobs.data(), t.pack_jobs.data(), jobs.size() * sizeof(PackJob)) == 0;
+  if (!same) {
+    // The table changes only when a parameter moved (new storage or dtype): upload it synchronously (rare).
+    if (t.d_pack_jobs == nullptr || jobs.size() > t.pack_jobs.size()) {
+      cudaFree(t.d_pack_jobs);
+      t.d_pack_jobs = nullptr;
+      check_cuda(cudaMalloc(&t.d_pack_jobs, jobs.size() * sizeof(PackJob)), "cudaMalloc (pack jobs)");
+    }
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // packs in flight read the old table
+    check_cuda(cudaMemcpy(t.d_pack_jobs, jobs.data(), jobs.size() * sizeof(PackJob), cudaMemcpyHostToDevice),
+               "cudaMemcpy (pack jobs)");
+    t.pack_jobs = jobs;
+  }
+  check_cuda(kernels::launch_pack_params(t.d_pack_jobs, int(jobs.size()), m.weights, m.dtype, stream),
+             "parameter packing kernel");
+  if (!m.have_weights) set_input_affine({}, {});
+  m.have_weights = true;
+}
+
+uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensorView& y, cudaStream_t stream) {
+  Impl& m = *impl_;
+  KFUSE_CHECK(m.have_weights, InvalidArgument, "EncoderGpu::forward_train before set_weights_device");
+  m.check_io(x, y);
+  check_trainable(m);
+  TrainingState& t = training(m);
+  const Geometry g{int(x.shape[0]), int(x.shape[2]), int(x.shape[3])};
+  Impl::Device scope(m.device);
+  m.tune_on_first_use(g, stream);
+  m.ensure_workspace(g);
+  TrainBuffers& tb = train_buffers(m, t, g);
+  const kernels::StemArgs stem = m.stem_args(x, tb.act);
+  kernels::SqueezeExciteArgs tail;
+  tail.out_nchw = y.data;
+  tail.out_f32 = y.dtype == DType::F32;
+  m.launch(g, tb.act, stem, tail, stream);
+  tb.stash = t.next_stash++;
+  tb.y_dtype = y.dtype;
+  return tb.stash;
+}
+
+bool EncoderGpu::stash_valid(uint64_t stash) const {
+  const Impl& m = *impl_;
+  if (!m.training || stash == 0) return false;
+  for (const auto& [g, tb] : m.training->buffers)
+    if (tb.stash == stash) return true;
+  return false;
+}
+
+void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy, float* grads,
+                          const DeviceTensorView* dx, cudaStream_t stream) {
+  Impl& m = *impl_;
+  TrainingState& t = training(m);
+  KFUSE_CHECK(grads != nullptr, InvalidArgument, "backward: null gradient buffer");
+  TrainBuffers* found = nullptr;
+  Geometry g{};
+  for (auto& [geo, tb] : t.buffers)
+    if (tb.stash == stash && stash != 0) found = &tb, g = geo;
+  KFUSE_CHECK(found != nullptr, InvalidArgument,
+              "backward: the forward's saved state is gone (another forward_train of the same input geometry "
+              "replaced it); run forward_train again");
+  TrainBuffers& tb = *found;
+  KFUSE_CHECK(x.shape.size() == 4 && x.shape[0] == g.n && x.shape[2] == g.h && x.shape[3] == g.w, InvalidArgument,
+              "backward: input of shape ", shape_str(x.shape), " is not the forward's");
+  KFUSE_CHECK(x.strides.size() == 4 && x.data, InvalidArgument, "backward: bad input view");
+  const Shape out_shape = m.config.output_shape(x.shape);
+  KFUSE_CHECK(dy.shape == out_shape, InvalidArgument, "backward: output gradient has shape ", shape_str(dy.shape),
+              ", expected ", shape_str(out_shape));
+  const Shape packed{out_shape[1] * out_shape[2] * out_shape[3], out_shape[2] * out_shape[3], out_shape[3], 1};
+  KFUSE_CHECK(dy.strides == packed && dy.data, InvalidArgument, "backward: output gradient must be contiguous NCHW");
+  KFUSE_CHECK(dy.dtype == tb.y_dtype, InvalidArgument, "backward: output gradient is ", dtype_name(dy.dtype),
+              " but the forward's output was ", dtype_name(tb.y_dtype));
+  KFUSE_CHECK(dy.device == m.device && x.device == m.device, InvalidArgument,
+              "backward: tensors must be on cuda:", m.device);
+  if (dx) {
+    KFUSE_CHECK(dx->shape == x.shape, InvalidArgument, "backward: input gradient has shape ", shape_str(dx->shape),
+                ", expected ", shape_str(x.shape));
+    const Shape xp{x.shape[1] * x.shape[2] * x.shape[3], x.shape[2] * x.shape[3], x.shape[3], 1};
+    KFUSE_CHECK(dx->strides == xp && dx->data && dx->device == m.device, InvalidArgument,
+                "backward: input gradient must be a contiguous NCHW tensor on cuda:", m.device);
+    KFUSE_CHECK(dx->dtype == DType::F32 || dx->dtype == DType::F16 || dx->dtype == DType::BF16, InvalidArgument,
+                "backward: input gradient dtype ", dtype_name(dx->dtype), " is not F32, F16 or BF16");
+  }
+  Impl::Device scope(m.device);
+  const size_t nb = m.blocks.size();
+  auto grad = [&](const std::string& name) { return grads + t.grad_offset[param_index(t, name)]; };
+
+  // Geometry per block and the workspaces every launch needs (one scratch area, used one launch at a time).
+  std::vector<BlockProblems> probs;
+  {
+    int h = g.h / 4, w = g.w / 4;
+    for (const auto& b : m.blocks) {
+      probs.push_back(block_problems(b, g.n, h, w));
+      h /= b.stride;
+      w /= b.stride;
+    }
+  }
+  size_t conv_ws = 0;
+  for (size_t i = 0; i < nb; ++i) {
+    const auto& b = m.blocks[i];
+    const BlockProblems& bp = probs[i];
+    for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1_cat}) {
+      const WgradConfig wc = wgrad_config(*p, m.dtype, m.sm_count);
+      KFUSE_CHECK(kernels::conv2d_wgrad_can_implement(*p, m.dtype, wc.tile, wc.split_k), InvalidArgument,
+                  "kfuse: the weight-gradient kernels cannot run block '", b.prefix, "' at this size");
+    }
+    for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1_dgrad_fwd}) {
+      if (p == &bp.conv1_dgrad_fwd && b.stride != 1) continue;
+      const ConvConfig c = m.choose(*p, false);
+      KFUSE_CHECK(kernels::conv2d_fprop_fixup_can_implement(*p, m.dtype, c.tile, c.split_k), InvalidArgument,
+                  "kfuse: the data-gradient kernels cannot run block '", b.prefix, "' at this size");
+      conv_ws = std::max(conv_ws, kernels::conv2d_fprop_fixup_workspace_bytes(*p, m.dtype, c.tile, c.split_k));
+    }
+    if (b.stride != 1)
+      KFUSE_CHECK(kernels::conv2d_dgrad_can_implement(bp.conv1_cat, m.dtype, dgrad_tile(bp.conv1_cat, m.dtype)),
+                  InvalidArgument, "kfuse: the strided data-gradient kernel cannot run block '", b.prefix,
+                  "' at this size");
+  }
+  ensure_conv_workspace(m, conv_ws);
+
+  // --- launch arguments, sized first so that one scratch allocation serves them all ---------------------------
+  const uint8_t* W8 = static_cast<const uint8_t*>(m.weights);
+  auto wp = [&](size_t off) { return static_cast<const void*>(W8 + off); };
+  auto fp = [&](size_t off) { return reinterpret_cast<const float*>(W8 + off); };
+  std::vector<kernels::SeBackwardArgs> se(nb);
+  std::vector<kernels::ReluMaskBackwardArgs> mask(nb);
+  size_t scratch = 0;
+  {
+    int h = g.h / 4, w = g.w / 4;
+    for (size_t i = 0; i < nb; ++i) {
+      const auto& b = m.blocks[i];
+      const BlockWeights& W = m.bw[i];
+      const int ho = h / b.stride, wo = w / b.stride;
+      kernels::SeBackwardArgs& s = se[i];
+      s.y = tb.act.y[i];
+      const bool last = i + 1 == nb;
+      s.dy = last ? dy.data : tb.dx[i + 1];
+      s.dy_nchw = last;
+      s.dy_f32 = last && dy.dtype == DType::F32;
+      s.o = tb.act.o[i];
+      s.n = g.n, s.hw = ho * wo, s.p = b.planes, s.hidden = b.se_hidden;
+      s.w1 = fp(W.fc1_w), s.b1 = fp(W.fc1_b), s.w2 = fp(W.fc2_w), s.b2 = fp(W.fc2_b);
+      s.d_o = tb.d_o[i];
+      s.dz = b.has_downsample ? static_cast<uint8_t*>(tb.dcat[i]) + 2 * b.planes : tb.dz[i];
+      s.dz_pitch = b.has_downsample ? 2 * b.planes : b.planes;
+      s.dw1 = grad(b.prefix + "se.excite.0.weight");
+      s.db1 = grad(b.prefix + "se.excite.0.bias");
+      s.dw2 = grad(b.prefix + "se.excite.2.weight");
+      s.db2 = grad(b.prefix + "se.excite.2.bias");
+      s.sum_d_o = grad(b.prefix + "fixup_bias2b");
+      // dy of this block is dx of the next; when the next block has a shortcut conv, that is all of d(its a).
+      s.sum_dy = !last && m.blocks[i + 1].has_downsample ? grad(m.blocks[i + 1].prefix + "fixup_bias1a") : nullptr;
+      scratch = std::max(scratch, kernels::se_backward_workspace_bytes(s));
+
+      kernels::ReluMaskBackwardArgs& r = mask[i];
+      r.dh = tb.dh2[i];
+      r.h2 = tb.act.h2[i];
+      r.b2a = fp(W.scalars) + kB2a;
+      r.pixels = int64_t(g.n) * ho * wo;
+      r.c = b.planes;
+      r.d_pre = tb.dcat[i];
+      r.d_pre_pitch = b.has_downsample ? 2 * b.planes : b.planes;
+      r.sum_dh = grad(b.prefix + "fixup_bias2a");
+      r.sum_d_pre = grad(b.prefix + "fixup_bias1b");
+      scratch = std::max(scratch, kernels::relu_mask_backward_workspace_bytes(r));
+
+      const BlockProblems& bp = probs[i];
+      for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1_cat}) {
+        const WgradConfig wc = wgrad_config(*p, m.dtype, m.sm_count);
+        scratch = std::max(scratch, kernels::conv2d_wgrad_workspace_bytes(*p, m.dtype, wc.tile, wc.split_k));
+      }
+      if (b.stride != 1)
+        scratch = std::max(scratch, kernels::conv2d_dgrad_workspace_bytes(bp.conv1_cat, m.dtype,
+                                                                          dgrad_tile(bp.conv1_cat, m.dtype)));
+      if (!b.has_downsample && i > 0)
+        scratch = std::max(scratch, kernels::add_and_sum_workspace_bytes(int64_t(g.n) * h * w * b.in_planes));
+      h = ho;
+      w = wo;
+    }
+  }
+  kernels::StemBackwardArgs sb;
+  {
+    const kernels::StemArgs fwd = m.stem_args(x, tb.act);
+    sb.x = fwd.x, sb.x_dtype = fwd.x_dtype;
+    sb.stride_n = fwd.stride_n, sb.stride_c = fwd.stride_c, sb.stride_h = fwd.stride_h, sb.stride_w = fwd.stride_w;
+    sb.n = fwd.n, sb.c = fwd.c, sb.h = fwd.h, sb.w = fwd.w;
+    sb.in_scale = fwd.in_scale, sb.in_shift = fwd.in_shift;
+    sb.weight = fwd.weight, sb.kpad = fwd.kpad, sb.p0 = fwd.p0;
+    sb.x0 = tb.act.x0;
+    sb.da = tb.dx[0];
+    sb.dz = m.blocks[0].has_downsample ? nullptr : tb.dz[0];
+    sb.dw = grad("stem.1.weight");
+    sb.sum_da = grad(m.blocks[0].prefix + "fixup_bias1a");
+    if (dx) {
+      sb.dinput = dx->data;
+      sb.dinput_dtype = Impl::input_dtype(dx->dtype);
+    }
+    scratch = std::max(scratch, kernels::stem_backward_workspace_bytes(sb));
+  }
+  // Gradient finalize jobs (their destinations move with `grads`: rebuilt per call, uploaded when changed).
+  std::vector<GradJob> jobs;
+  for (size_t i = 0; i < nb; ++i) {
+    const auto& b = m.blocks[i];
+    const BlockWeights& W = m.bw[i];
+    GradJob j1;
+    j1.g = tb.g1[i], j1.dst = grad(b.prefix + "conv1.weight"), j1.kind = 0;
+    j1.k = b.planes, j1.c = b.in_planes, j1.r = 3, j1.s = 3;
+    jobs.push_back(j1);
+    if (b.has_downsample) {
+      GradJob jd;
+      jd.g = tb.g1[i] + size_t(b.planes) * 9 * b.in_planes, jd.dst = grad(b.prefix + b.downsample_weight());
+      jd.kind = 1, jd.k = b.planes, jd.c = b.in_planes, jd.r = 3, jd.s = 3;
+      jobs.push_back(jd);
+    }
+    GradJob j2;
+    j2.g = tb.g2[i], j2.dst = grad(b.prefix + "conv2.weight"), j2.kind = 0;
+    j2.alpha = fp(W.scalars) + kScale;
+    j2.dot_w = wp(W.conv2);
+    j2.dst_dot = grad(b.prefix + "fixup_scale");
+    j2.k = b.planes, j2.c = b.planes, j2.r = 3, j2.s = 3;
+    jobs.push_back(j2);
+  }
+  scratch = std::max(scratch, kernels::grad_finalize_workspace_bytes(int(jobs.size())));
+  ensure_scratch(t, std::max<size_t>(scratch, 256));
+  if (jobs.size() > t.grad_job_capacity) {
+    cudaFree(t.d_grad_jobs);
+    t.d_grad_jobs = nullptr;
+    check_cuda(cudaMalloc(&t.d_grad_jobs, jobs.size() * sizeof(GradJob)), "cudaMalloc (gradient jobs)");
+    t.grad_job_capacity = jobs.size();
+    t.grad_jobs.clear();
+  }
+  if (jobs.size() != t.grad_jobs.size() ||
+      std::memcmp(jobs.data(), t.grad_jobs.data(), jobs.size() * sizeof(GradJob)) != 0) {
+    // Ordered on the stream; the source is copied out before cudaMemcpyAsync returns (pageable memory).
+    check_cuda(cudaMemcpyAsync(t.d_grad_jobs, jobs.data(), jobs.size() * sizeof(GradJob), cudaMemcpyHostToDevice,
+                               stream),
+               "cudaMemcpyAsync (gradient jobs)");
+    t.grad_jobs = jobs;
+  }
+
+  // --- the backward, from the last block ---------------------------------------------------------------------
+  void* ws = t.scratch;
+  for (size_t ii = nb; ii-- > 0;) {
+    const auto& b = m.blocks[ii];
+    const BlockWeights& W = m.bw[ii];
+    const BlockProblems& bp = probs[ii];
+    const std::string where = " (block '" + b.prefix + "')";
+    check_cuda(kernels::launch_se_backward(se[ii], m.dtype, ws, stream), "squeeze-excite backward" + where);
+    {
+      const WgradConfig wc = wgrad_config(bp.conv2, m.dtype, m.sm_count);
+      check_cuda(kernels::conv2d_wgrad(bp.conv2, m.dtype, wc.tile, wc.split_k, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii],
+                                       ws, t.scratch_bytes, stream),
+                 "conv2 weight gradient" + where);
+    }
+    // dh2 = scale * conv2^T(d_o): the forward conv with conv2's flipped filters, epilogue alpha = scale.
+    m.conv(bp.conv2, tb.d_o[ii], W.conv2_flip, tb.dh2[ii], kernels::FixupEpilogue{fp(W.scalars) + kScale}, stream);
+    check_cuda(kernels::launch_relu_mask_backward(mask[ii], m.dtype, ws, stream), "ReLU mask backward" + where);
+    {
+      const WgradConfig wc = wgrad_config(bp.conv1_cat, m.dtype, m.sm_count);
+      check_cuda(kernels::conv2d_wgrad(bp.conv1_cat, m.dtype, wc.tile, wc.split_k, tb.dcat[ii], tb.act.a[ii],
+                                       tb.g1[ii], ws, t.scratch_bytes, stream),
+                 "conv1 weight gradient" + where);
+    }
+    if (b.stride != 1) {
+      // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one strided data gradient over the concatenated filters.
+      check_cuda(kernels::conv2d_dgrad(bp.conv1_cat, m.dtype, dgrad_tile(bp.conv1_cat, m.dtype), tb.dcat[ii],
+                                       wp(W.conv1), tb.dx[ii], ws, t.scratch_bytes, stream),
+                 "conv1 data gradient" + where);
+    } else {
+      m.conv(bp.conv1_dgrad_fwd, tb.dcat[ii], W.conv1_flip, tb.dx[ii], kernels::FixupEpilogue{}, stream);
+      if (ii > 0) {  // dx = d a + dz; d b1a = sum of d a (the first block's is the stem backward's)
+        check_cuda(kernels::launch_add_and_sum(tb.dx[ii], tb.dz[ii], tb.dx[ii],
+                                               int64_t(bp.conv1.n) * bp.conv1.h * bp.conv1.w * b.in_planes,
+                                               grad(b.prefix + "fixup_bias1a"), m.dtype, ws, stream),
+                   "identity gradient" + where);
+      }
+    }
+  }
+  check_cuda(kernels::launch_stem_backward(sb, m.dtype, ws, stream), "stem backward");
+  check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs, int(jobs.size()), m.dtype, ws, stream),
+             "gradient finalize");
+}
+
+}  // namespace kfuse
