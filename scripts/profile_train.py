@@ -35,7 +35,14 @@ def main():
     total = sum(v[0] for v in rows.values()) / steps
     print(f"kfuse training step N={n}: {total / 1e3:.3f} ms of kernel time per step")
     for name, (us, cnt) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:30]:
-        print(f"{us / steps:9.1f} us  x{cnt // steps:<3} {name[:110]}")
+        # CUTLASS 2.x conv kernels differ only deep in their mangled names: keep the tile shapes and operator.
+        short = name if "cutlass" not in name else " ".join(
+            m for m in __import__("re").findall(r"GemmShapeILi\d+ELi\d+ELi\d+E|Strided|Wgrad|Dgrad|Fprop|"
+                                                r"ConvUniversal|ReduceSplitK", name)[:6])
+        print(f"{us / steps:9.1f} us  x{cnt // steps:<3} {short[:150]}")
+    print("forward convolution choices at this batch (tuner):")
+    for r in enc.tune(n, 64, 64, mode="on", verbose=False):
+        print(f"  {r['shape']:<36} {r['choice']:<20} tuned {r['tuned_ms'] * 1e3 if r['tuned_ms'] else 0:8.1f} us")
 
 
 if __name__ == "__main__":
