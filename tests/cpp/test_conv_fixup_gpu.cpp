@@ -54,6 +54,8 @@ const Variant kSm90Variants[] = {
     {"f16_sm90_64x64", ConvDType::kF16, ConvTile::kSm90_64x64, true},
     {"f16_sm90_64x64_c2x2", ConvDType::kF16, ConvTile::kSm90_64x64_c2x2, true},
     {"f16_sm90_128x64_s4", ConvDType::kF16, ConvTile::kSm90_128x64_s4, true},
+    {"f16_sm90_128x128", ConvDType::kF16, ConvTile::kSm90_128x128, true},
+    {"f16_sm90_256x64", ConvDType::kF16, ConvTile::kSm90_256x64, true},
 };
 
 // Quiet NaN of each dtype: poisons outputs before each launch.

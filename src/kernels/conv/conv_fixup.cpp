@@ -40,6 +40,8 @@ const Instance* find_instance(ConvDType dtype, ConvTile tile) {
       {ConvDType::kF16, ConvTile::kSm90_64x64, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_64x64)},
       {ConvDType::kF16, ConvTile::kSm90_64x64_c2x2, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_64x64_c2x2)},
       {ConvDType::kF16, ConvTile::kSm90_128x64_s4, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_128x64_s4)},
+      {ConvDType::kF16, ConvTile::kSm90_128x128, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_128x128)},
+      {ConvDType::kF16, ConvTile::kSm90_256x64, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_256x64)},
   };
   for (const Entry& e : kTable)
     if (e.dtype == dtype && e.tile == tile) return &e.instance;

@@ -40,6 +40,8 @@ enum class ConvTile {
   k128x64w8,
   kSm90_64x64_c2x2,  // 2 x 2 cluster, TMA multicast of both operands
   kSm90_128x64_s4,   // 4 pipeline stages: two CTAs per SM
+  kSm90_128x128,     // big tiles for the training batch (N = 2048: GEMMs of 0.5-1 M rows), schedule as CUTLASS picks
+  kSm90_256x64,      //   (two consumer warpgroups); 256x64 for the 64-channel layers of block 1
 };
 
 struct FixupEpilogue {
