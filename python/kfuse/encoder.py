@@ -338,7 +338,7 @@ class ResNetEncoder(reference.ResNetEncoder):
             entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0), None, _NO_AFFINE, None]
         if entry[1] != stamp:
             if all(p.device == device for p in params):
-                self._pack_device(entry, params, _cuda_stream(device))
+                self._pack_device(entry, params, _cuda_stream(device), stamp)
             else:
                 with torch.no_grad():
                     entry[0].set_weights([p.detach().float().cpu().contiguous() for p in params])
@@ -347,10 +347,12 @@ class ResNetEncoder(reference.ResNetEncoder):
         return entry
 
     @staticmethod
-    def _pack_device(entry, params: list[torch.Tensor], stream: int) -> bool:
+    def _pack_device(entry, params: list[torch.Tensor], stream: int, stamp=None) -> bool:
         """Packs the parameters into the engine from device memory, on `stream`, unless the engine already holds
-        exactly these (same storages and versions). Returns whether it packed."""
-        stamp = (list(map(_DATA_PTR, params)), list(map(_VERSION, params)))
+        exactly these (same storages and versions: `stamp`, computed here when not given). Returns whether it
+        packed."""
+        if stamp is None:
+            stamp = (list(map(_DATA_PTR, params)), list(map(_VERSION, params)))
         if entry[1] == stamp:
             return False
         dtypes = {p.dtype for p in params}

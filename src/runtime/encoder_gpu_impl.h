@@ -357,15 +357,19 @@ struct EncoderGpu::Impl {
       h /= b.stride;
       w /= b.stride;
     }
-    if (need > conv_workspace_bytes) {
-      if (conv_workspace) cudaFree(conv_workspace);
-      conv_workspace = nullptr;
-      check_cuda(cudaMalloc(&conv_workspace, 2 * need), "cudaMalloc (conv workspace)");
-      conv_workspace_bytes = need;
-      // Captured graphs hold the old workspace address.
-      clear_graphs();
-    }
+    grow_conv_workspace(need);
     checked[g] = true;
+  }
+
+  // Makes each half of the conv workspace at least `need` bytes.
+  void grow_conv_workspace(size_t need) {
+    if (need <= conv_workspace_bytes) return;
+    if (conv_workspace) cudaFree(conv_workspace);
+    conv_workspace = nullptr;
+    conv_workspace_bytes = 0;
+    check_cuda(cudaMalloc(&conv_workspace, 2 * need), "cudaMalloc (conv workspace)");
+    conv_workspace_bytes = need;
+    clear_graphs();  // captured graphs hold the old workspace address
   }
 
   // conv1, conv2 and (when there is one) the shortcut of block b whose input is n x h x w.

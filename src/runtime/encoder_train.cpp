@@ -234,15 +234,6 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
   return t.buffers.emplace(g, std::move(tb)).first->second;
 }
 
-void ensure_conv_workspace(EncoderGpu::Impl& m, size_t need) {
-  if (need <= m.conv_workspace_bytes) return;
-  if (m.conv_workspace) cudaFree(m.conv_workspace);
-  m.conv_workspace = nullptr;
-  m.conv_workspace_bytes = 0;
-  check_cuda(cudaMalloc(&m.conv_workspace, 2 * need), "cudaMalloc (conv workspace)");
-  m.conv_workspace_bytes = need;
-  m.clear_graphs();  // captured graphs hold the old workspace address
-}
 
 }  // namespace
 
@@ -412,7 +403,7 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
                   InvalidArgument, "kfuse: the strided data-gradient kernel cannot run block '", b.prefix,
                   "' at this size");
   }
-  ensure_conv_workspace(m, conv_ws);
+  m.grow_conv_workspace(conv_ws);
 
   // --- launch arguments, sized first so that one scratch allocation serves them all ---------------------------
   const uint8_t* W8 = static_cast<const uint8_t*>(m.weights);

@@ -5,7 +5,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <random>
 #include <string>
+#include <vector>
+
+#include "runtime/half_bits.h"  // float_to_bits / bits_to_float: fp16 / bf16 bit patterns on the host
 
 namespace kfuse::testing {
 
@@ -57,6 +61,23 @@ struct StreamGuard {
     if (stream != nullptr) (void)cudaStreamDestroy(stream);
   }
 };
+
+// Quiet NaN of each 16-bit dtype: poisons outputs before each launch.
+inline uint16_t nan_bits(kernels::ConvDType dt) { return dt == kernels::ConvDType::kF16 ? 0x7e00 : 0x7fc0; }
+
+// n elements uniform in [lo, hi] as fp16 / bf16 bit patterns, never zero after rounding (a zero would hide a wrongly
+// indexed or skipped operand).
+inline std::vector<uint16_t> random_nonzero_bits(size_t n, kernels::ConvDType dt, std::mt19937& rng, float lo = -1.0f,
+                                                 float hi = 1.0f) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) {
+    do {
+      x = float_to_bits(dist(rng), dt);
+    } while ((x & 0x7fffu) == 0);
+  }
+  return v;
+}
 
 // Deterministic per-test seed (FNV-1a of the test's name).
 inline uint32_t seed_for(const std::string& name) {

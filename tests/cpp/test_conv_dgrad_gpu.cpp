@@ -20,6 +20,9 @@
 
 namespace {
 
+using kfuse::testing::nan_bits;
+using kfuse::testing::random_nonzero_bits;
+
 using kfuse::testing::DeviceBuffer;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
@@ -44,22 +47,7 @@ const DgradVariant kDgradVariants[] = {
 // Normwise relative error bounds: output rounding (2^-11 / 2^-8 relative) dominates fp32 accumulation.
 double dgrad_tolerance(ConvDType dt) { return dt == ConvDType::kF16 ? 5e-3 : 2e-2; }
 
-// Quiet NaN of each dtype: poisons outputs before each launch.
-uint16_t dgrad_nan_bits(ConvDType dt) { return dt == ConvDType::kF16 ? 0x7e00 : 0x7fc0; }
-
 std::string dgrad_skip_reason() { return kfuse::testing::device_skip_reason(8, 9, "the dgrad conv kernels"); }
-
-// Uniform in [-1, 1], never zero after rounding (a zero would hide a wrongly indexed operand).
-std::vector<uint16_t> dgrad_random_elements(size_t n, ConvDType dt, std::mt19937& rng) {
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) {
-    do {
-      x = kfuse::float_to_bits(dist(rng), dt);
-    } while ((x & 0x7fffu) == 0);
-  }
-  return v;
-}
 
 size_t dx_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w * p.c; }
 size_t w_elems(const Conv2dProblem& p) { return size_t(p.k) * p.r * p.s * p.c; }
@@ -141,7 +129,7 @@ constexpr size_t kDgradGuardElems = 256;
 void run_dgrad(const DgradVariant& v, const Conv2dProblem& p, const std::vector<uint16_t>& dy,
                const std::vector<uint16_t>& w, std::vector<uint16_t>* out, std::vector<uint16_t>* guard) {
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  const std::vector<uint16_t> poison(dx_elems(p) + kDgradGuardElems, dgrad_nan_bits(v.dtype));
+  const std::vector<uint16_t> poison(dx_elems(p) + kDgradGuardElems, nan_bits(v.dtype));
   DeviceBuffer ddy, dw, ddx, ws;
   ASSERT_EQ(ddy.alloc(dy.size() * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(dw.alloc(w.size() * sizeof(uint16_t)), cudaSuccess);
@@ -215,8 +203,8 @@ TEST_P(ConvDgradGpuTest, MatchesFloat64Reference) {
   ASSERT_TRUE(kfuse::kernels::conv2d_dgrad_can_implement(p, v.dtype, v.tile));
 
   std::mt19937 rng(seed);
-  const std::vector<uint16_t> dy = dgrad_random_elements(dy_elems(p), v.dtype, rng);
-  const std::vector<uint16_t> w = dgrad_random_elements(w_elems(p), v.dtype, rng);
+  const std::vector<uint16_t> dy = random_nonzero_bits(dy_elems(p), v.dtype, rng);
+  const std::vector<uint16_t> w = random_nonzero_bits(w_elems(p), v.dtype, rng);
 
   std::vector<uint16_t> out, guard;
   ASSERT_NO_FATAL_FAILURE(run_dgrad(v, p, dy, w, &out, &guard));
@@ -229,7 +217,7 @@ TEST_P(ConvDgradGpuTest, MatchesFloat64Reference) {
   ASSERT_GT(cmp.ref_norm2, 0.0);
   EXPECT_LE(cmp.rel, dgrad_tolerance(v.dtype)) << "normwise relative error ||dx-ref||/||ref||";
   size_t guard_touched = 0;
-  for (uint16_t bits : guard) guard_touched += bits != dgrad_nan_bits(v.dtype);
+  for (uint16_t bits : guard) guard_touched += bits != nan_bits(v.dtype);
   EXPECT_EQ(guard_touched, 0u) << "stores past the end of dx";
 }
 
@@ -259,9 +247,9 @@ TEST_P(ConvDgradLauncherTest, ReturnsErrorWithoutLaunching) {
   ASSERT_FALSE(kfuse::kernels::conv2d_dgrad_can_implement(bad, v.dtype, v.tile));
 
   std::mt19937 rng(seed_for(std::string("dgrad/") + v.name + "/reject"));
-  const std::vector<uint16_t> dy = dgrad_random_elements(dy_elems(good), v.dtype, rng);  // covers `bad` too
-  const std::vector<uint16_t> w = dgrad_random_elements(w_elems(good), v.dtype, rng);
-  const std::vector<uint16_t> poison(dx_elems(good), dgrad_nan_bits(v.dtype));
+  const std::vector<uint16_t> dy = random_nonzero_bits(dy_elems(good), v.dtype, rng);  // covers `bad` too
+  const std::vector<uint16_t> w = random_nonzero_bits(w_elems(good), v.dtype, rng);
+  const std::vector<uint16_t> poison(dx_elems(good), nan_bits(v.dtype));
   DeviceBuffer ddy, dw, ddx;
   ASSERT_EQ(ddy.alloc(dy.size() * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(dw.alloc(w.size() * sizeof(uint16_t)), cudaSuccess);
@@ -299,7 +287,7 @@ TEST_P(ConvDgradLauncherTest, ReturnsErrorWithoutLaunching) {
   std::vector<uint16_t> out(poison.size());
   ASSERT_EQ(cudaMemcpy(out.data(), ddx.ptr, ddx.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   size_t touched = 0;
-  for (uint16_t bits : out) touched += bits != dgrad_nan_bits(v.dtype);
+  for (uint16_t bits : out) touched += bits != nan_bits(v.dtype);
   EXPECT_EQ(touched, 0u) << "a rejected call wrote to dx, so something was launched";
 }
 

@@ -21,6 +21,11 @@
 
 namespace {
 
+using kfuse::bits_to_float;
+using kfuse::float_to_bits;
+using kfuse::testing::nan_bits;
+using kfuse::testing::random_nonzero_bits;
+
 using kfuse::testing::DeviceBuffer;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
@@ -58,44 +63,9 @@ const Variant kSm90Variants[] = {
     {"f16_sm90_256x64", ConvDType::kF16, ConvTile::kSm90_256x64, true},
 };
 
-// Quiet NaN of each dtype: poisons outputs before each launch.
-uint16_t nan_bits(ConvDType dt) { return dt == ConvDType::kF16 ? 0x7e00 : 0x7fc0; }
-
 std::string device_skip_reason(const Variant& v) {
   if (v.sm90) return kfuse::testing::device_skip_reason(9, 9, "the sm90 fixup conv kernels (sm_90a)");
   return kfuse::testing::device_skip_reason(8, 9, "the fixup conv kernels");
-}
-
-// Elements are handled as raw 16-bit patterns so that one code path serves both dtypes.
-uint16_t to_bits(float f, ConvDType dt) {
-  uint16_t bits;
-  if (dt == ConvDType::kF16) {
-    const __half h = __float2half_rn(f);
-    std::memcpy(&bits, &h, sizeof(bits));
-  } else {
-    const __nv_bfloat16 b = __float2bfloat16_rn(f);
-    std::memcpy(&bits, &b, sizeof(bits));
-  }
-  return bits;
-}
-
-double from_bits(uint16_t bits, ConvDType dt) {
-  if (dt == ConvDType::kF16) {
-    __half_raw raw;
-    raw.x = bits;
-    return __half2float(__half(raw));
-  }
-  __nv_bfloat16_raw raw;
-  raw.x = bits;
-  return __bfloat162float(__nv_bfloat16(raw));
-}
-
-
-std::vector<uint16_t> random_elements(size_t n, ConvDType dt, std::mt19937& rng) {
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = to_bits(dist(rng), dt);
-  return v;
 }
 
 size_t act_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w * p.c; }
@@ -107,8 +77,8 @@ std::vector<double> reference_conv(const Conv2dProblem& p, const std::vector<uin
                                    const std::vector<uint16_t>& w, ConvDType dt) {
   const int P = p.p(), Q = p.q();
   std::vector<double> xd(x.size()), wd(w.size());
-  for (size_t i = 0; i < x.size(); ++i) xd[i] = from_bits(x[i], dt);
-  for (size_t i = 0; i < w.size(); ++i) wd[i] = from_bits(w[i], dt);
+  for (size_t i = 0; i < x.size(); ++i) xd[i] = bits_to_float(x[i], dt);
+  for (size_t i = 0; i < w.size(); ++i) wd[i] = bits_to_float(w[i], dt);
   std::vector<double> out(out_elems(p));
   for (int n = 0; n < p.n; ++n)
     for (int op = 0; op < P; ++op)
@@ -160,7 +130,7 @@ Comparison compare(const std::vector<uint16_t>& out, const std::vector<double>& 
   Comparison c;
   double err2 = 0.0;
   for (size_t i = 0; i < out.size(); ++i) {
-    const double o = from_bits(out[i], dt);
+    const double o = bits_to_float(out[i], dt);
     if (std::isnan(o)) {
       ++c.nan_count;
       continue;
@@ -251,8 +221,8 @@ TEST_P(ConvFixupGpuTest, MatchesFloat64Reference) {
   ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_can_implement(p, v.dtype, v.tile, tc.split_k));
 
   std::mt19937 rng(seed);
-  const std::vector<uint16_t> x = random_elements(act_elems(p), v.dtype, rng);
-  const std::vector<uint16_t> w = random_elements(flt_elems(p), v.dtype, rng);
+  const std::vector<uint16_t> x = random_nonzero_bits(act_elems(p), v.dtype, rng);
+  const std::vector<uint16_t> w = random_nonzero_bits(flt_elems(p), v.dtype, rng);
   // conv outputs have a spread of ~8 to ~22 here: pre in [-4, 4] moves the relu threshold without clipping all.
   const float scalars[3] = {std::uniform_real_distribution<float>(0.25f, 1.5f)(rng),
                             std::uniform_real_distribution<float>(-4.0f, 4.0f)(rng),
@@ -316,8 +286,8 @@ TEST_P(ConvFixupVariantTest, NullScalarsMeanIdentity) {
       ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_can_implement(p, v.dtype, v.tile, split_k));
 
       std::mt19937 rng(seed);
-      const std::vector<uint16_t> x = random_elements(act_elems(p), v.dtype, rng);
-      const std::vector<uint16_t> w = random_elements(flt_elems(p), v.dtype, rng);
+      const std::vector<uint16_t> x = random_nonzero_bits(act_elems(p), v.dtype, rng);
+      const std::vector<uint16_t> w = random_nonzero_bits(flt_elems(p), v.dtype, rng);
       FixupEpilogue epilogue;  // all three pointers nullptr
       epilogue.relu = relu;
 
@@ -349,8 +319,8 @@ TEST_P(ConvFixupVariantTest, LauncherReturnsErrorWithoutLaunching) {
   }
 
   std::mt19937 rng(seed_for(std::string(v.name) + "/reject"));
-  const std::vector<uint16_t> x = random_elements(act_elems(good), v.dtype, rng);  // covers both problems' inputs
-  const std::vector<uint16_t> w = random_elements(flt_elems(good), v.dtype, rng);
+  const std::vector<uint16_t> x = random_nonzero_bits(act_elems(good), v.dtype, rng);  // covers both problems' inputs
+  const std::vector<uint16_t> w = random_nonzero_bits(flt_elems(good), v.dtype, rng);
   const std::vector<uint16_t> poison(out_elems(good), nan_bits(v.dtype));
   DeviceBuffer dx, dw, dy;
   ASSERT_EQ(dx.alloc(x.size() * sizeof(uint16_t)), cudaSuccess);

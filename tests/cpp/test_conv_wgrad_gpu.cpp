@@ -23,6 +23,10 @@
 
 namespace {
 
+using kfuse::bits_to_float;
+using kfuse::float_to_bits;
+using kfuse::testing::random_nonzero_bits;
+
 using kfuse::testing::DeviceBuffer;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
@@ -46,42 +50,6 @@ const WgradVariant kWgradVariants[] = {
 
 std::string wgrad_skip_reason() { return kfuse::testing::device_skip_reason(8, 9, "the wgrad conv kernels"); }
 
-// Inputs are handled as raw 16-bit patterns so that one code path serves both dtypes.
-uint16_t wgrad_to_bits(float f, ConvDType dt) {
-  uint16_t bits;
-  if (dt == ConvDType::kF16) {
-    const __half h = __float2half_rn(f);
-    std::memcpy(&bits, &h, sizeof(bits));
-  } else {
-    const __nv_bfloat16 b = __float2bfloat16_rn(f);
-    std::memcpy(&bits, &b, sizeof(bits));
-  }
-  return bits;
-}
-
-double wgrad_from_bits(uint16_t bits, ConvDType dt) {
-  if (dt == ConvDType::kF16) {
-    __half_raw raw;
-    raw.x = bits;
-    return __half2float(__half(raw));
-  }
-  __nv_bfloat16_raw raw;
-  raw.x = bits;
-  return __bfloat162float(__nv_bfloat16(raw));
-}
-
-// Uniform in [-1, 1], never zero after rounding: a kernel that skips or misplaces an element always shows up.
-std::vector<uint16_t> wgrad_random_elements(size_t n, ConvDType dt, std::mt19937& rng) {
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<uint16_t> v(n);
-  for (auto& e : v) {
-    do {
-      e = wgrad_to_bits(dist(rng), dt);
-    } while (wgrad_from_bits(e, dt) == 0.0);
-  }
-  return v;
-}
-
 size_t act_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w * p.c; }
 size_t grad_elems(const Conv2dProblem& p) { return size_t(p.n) * p.p() * p.q() * p.k; }
 size_t filter_elems(const Conv2dProblem& p) { return size_t(p.k) * p.r * p.s * p.c; }
@@ -91,8 +59,8 @@ std::vector<double> reference_wgrad(const Conv2dProblem& p, const std::vector<ui
                                     const std::vector<uint16_t>& x, ConvDType dt) {
   const int P = p.p(), Q = p.q();
   std::vector<double> dyd(dy.size()), xd(x.size());
-  for (size_t i = 0; i < dy.size(); ++i) dyd[i] = wgrad_from_bits(dy[i], dt);
-  for (size_t i = 0; i < x.size(); ++i) xd[i] = wgrad_from_bits(x[i], dt);
+  for (size_t i = 0; i < dy.size(); ++i) dyd[i] = bits_to_float(dy[i], dt);
+  for (size_t i = 0; i < x.size(); ++i) xd[i] = bits_to_float(x[i], dt);
   std::vector<double> dw(filter_elems(p), 0.0);
   for (int n = 0; n < p.n; ++n)
     for (int op = 0; op < P; ++op)
@@ -219,8 +187,8 @@ TEST_P(ConvWgradGpuTest, MatchesFloat64Reference) {
   SCOPED_TRACE(test_name + " seed=" + std::to_string(seed));
 
   std::mt19937 rng(seed);
-  const std::vector<uint16_t> dy = wgrad_random_elements(grad_elems(p), v.dtype, rng);
-  const std::vector<uint16_t> x = wgrad_random_elements(act_elems(p), v.dtype, rng);
+  const std::vector<uint16_t> dy = random_nonzero_bits(grad_elems(p), v.dtype, rng);
+  const std::vector<uint16_t> x = random_nonzero_bits(act_elems(p), v.dtype, rng);
   const std::vector<double> ref = reference_wgrad(p, dy, x, v.dtype);
 
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
@@ -304,8 +272,8 @@ TEST_P(ConvWgradVariantTest, LauncherReturnsErrorWithoutLaunching) {
   ASSERT_GT(ws_bytes, 0u);
 
   std::mt19937 rng(seed_for(std::string("wgrad/") + v.name + "/reject"));
-  const std::vector<uint16_t> dy = wgrad_random_elements(grad_elems(good), v.dtype, rng);  // covers `bad` too
-  const std::vector<uint16_t> x = wgrad_random_elements(act_elems(good), v.dtype, rng);
+  const std::vector<uint16_t> dy = random_nonzero_bits(grad_elems(good), v.dtype, rng);  // covers `bad` too
+  const std::vector<uint16_t> x = random_nonzero_bits(act_elems(good), v.dtype, rng);
   DeviceBuffer d_dy, d_x, d_dw, ws;
   ASSERT_EQ(d_dy.alloc(dy.size() * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(d_x.alloc(x.size() * sizeof(uint16_t)), cudaSuccess);

@@ -34,6 +34,9 @@
 
 namespace {
 
+using kfuse::bits_to_float;
+using kfuse::float_to_bits;
+
 using kfuse::testing::DeviceBuffer;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
@@ -42,29 +45,6 @@ using kfuse::kernels::ConvDType;
 using kfuse::kernels::SeBackwardArgs;
 
 constexpr uint16_t kSentinel = 0x1234;  // fills the dz rows' channels outside [0, p): must stay untouched
-
-uint16_t to_bits(float f, ConvDType dt) {
-  uint16_t bits;
-  if (dt == ConvDType::kF16) {
-    const __half h = __float2half_rn(f);
-    std::memcpy(&bits, &h, sizeof(bits));
-  } else {
-    const __nv_bfloat16 b = __float2bfloat16_rn(f);
-    std::memcpy(&bits, &b, sizeof(bits));
-  }
-  return bits;
-}
-
-double from_bits(uint16_t bits, ConvDType dt) {
-  if (dt == ConvDType::kF16) {
-    __half_raw raw;
-    raw.x = bits;
-    return __half2float(__half(raw));
-  }
-  __nv_bfloat16_raw raw;
-  raw.x = bits;
-  return __bfloat162float(__nv_bfloat16(raw));
-}
 
 double unit_roundoff(ConvDType dt) { return dt == ConvDType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8); }
 
@@ -170,15 +150,15 @@ Inputs make_inputs(const SeCase& c, std::mt19937& rng) {
   in.y.resize(elems);
   in.o.resize(elems);
   for (size_t i = 0; i < elems; ++i) {
-    in.y[i] = to_bits(std::max(u11(rng), 0.0f), c.dtype);  // relu of random values: about half exact zeros
-    in.o[i] = to_bits(u11(rng), c.dtype);
+    in.y[i] = float_to_bits(std::max(u11(rng), 0.0f), c.dtype);  // relu of random values: about half exact zeros
+    in.o[i] = float_to_bits(u11(rng), c.dtype);
   }
   if (c.f32) {
     in.dy_f.resize(elems);
     for (float& v : in.dy_f) v = u11(rng);
   } else {
     in.dy_t.resize(elems);
-    for (uint16_t& v : in.dy_t) v = to_bits(u11(rng), c.dtype);
+    for (uint16_t& v : in.dy_t) v = float_to_bits(u11(rng), c.dtype);
   }
   const float s1 = 1.0f / std::sqrt(float(c.p)), s2 = 1.0f / std::sqrt(float(c.hidden));
   in.w1.resize(size_t(c.hidden) * c.p);
@@ -194,7 +174,7 @@ Inputs make_inputs(const SeCase& c, std::mt19937& rng) {
   for (int n = 0; n < c.n; ++n) {
     double* m = &in.m[size_t(n) * c.p];
     for (int i = 0; i < c.hw; ++i)
-      for (int ch = 0; ch < c.p; ++ch) m[ch] += from_bits(in.o[(size_t(n) * c.hw + i) * c.p + ch], c.dtype);
+      for (int ch = 0; ch < c.p; ++ch) m[ch] += bits_to_float(in.o[(size_t(n) * c.hw + i) * c.p + ch], c.dtype);
     for (int ch = 0; ch < c.p; ++ch) m[ch] /= c.hw;
     for (int j = 0; j < c.hidden; ++j) {
       double s = 0.0;
@@ -367,12 +347,12 @@ void check_against_reference(const SeCase& c, const Inputs& in, const Outputs& o
       for (int ch = 0; ch < P; ++ch) {
         const size_t e = (size_t(n) * HW + i) * P + ch;
         const size_t ed = c.nchw ? (size_t(n) * P + ch) * HW + i : e;
-        const double dyv = c.f32 ? double(in.dy_f[ed]) : from_bits(in.dy_t[ed], c.dtype);
-        const double dyt = c.f32 ? from_bits(to_bits(in.dy_f[ed], c.dtype), c.dtype) : dyv;  // dy rounded to T
-        const bool on = from_bits(in.y[e], c.dtype) > 0.0;
+        const double dyv = c.f32 ? double(in.dy_f[ed]) : bits_to_float(in.dy_t[ed], c.dtype);
+        const double dyt = c.f32 ? bits_to_float(float_to_bits(in.dy_f[ed], c.dtype), c.dtype) : dyv;  // dy rounded to T
+        const bool on = bits_to_float(in.y[e], c.dtype) > 0.0;
         const double dz = on ? dyv : 0.0;
         dzt[size_t(i) * P + ch] = on ? dyt : 0.0;
-        dg[ch] += dz * from_bits(in.o[e], c.dtype);
+        dg[ch] += dz * bits_to_float(in.o[e], c.dtype);
         s_dy.add(dyv);
         s_dz.add(dz);
       }
@@ -391,9 +371,9 @@ void check_against_reference(const SeCase& c, const Inputs& in, const Outputs& o
       const size_t row = size_t(n) * HW + i;
       for (int ch = 0; ch < P; ++ch) {
         const double ref = dzt[size_t(i) * P + ch] * g[ch] + dm[ch] / HW;  // from dz as stored
-        d_o.add(from_bits(out.d_o[row * P + ch], c.dtype), ref);
+        d_o.add(bits_to_float(out.d_o[row * P + ch], c.dtype), ref);
         s_do.add(ref);
-        const double got = from_bits(out.dz_buf[row * pitch + c.dz_front + ch], c.dtype);
+        const double got = bits_to_float(out.dz_buf[row * pitch + c.dz_front + ch], c.dtype);
         if (!(got == dzt[size_t(i) * P + ch])) {
           if (dz_bad++ == 0) dz_first_bad[0] = double(row), dz_first_bad[1] = ch, dz_first_bad[2] = got;
         }

@@ -25,6 +25,9 @@
 
 namespace {
 
+using kfuse::bits_to_float;
+using kfuse::float_to_bits;
+
 using kfuse::testing::DeviceBuffer;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
@@ -40,36 +43,12 @@ const char* dtype_name(ConvDType dt) { return dt == ConvDType::kF16 ? "f16" : "b
 
 std::string gpu_skip_reason() { return kfuse::testing::device_skip_reason(8, 9, "the encoder backward kernels"); }
 
-// 16-bit elements are handled as raw patterns so that one code path serves both dtypes.
-uint16_t to_bits(float f, ConvDType dt) {
-  uint16_t bits;
-  if (dt == ConvDType::kF16) {
-    const __half h = __float2half_rn(f);
-    std::memcpy(&bits, &h, sizeof(bits));
-  } else {
-    const __nv_bfloat16 b = __float2bfloat16_rn(f);
-    std::memcpy(&bits, &b, sizeof(bits));
-  }
-  return bits;
-}
-
-float from_bits(uint16_t bits, ConvDType dt) {
-  if (dt == ConvDType::kF16) {
-    __half_raw raw;
-    raw.x = bits;
-    return __half2float(__half(raw));
-  }
-  __nv_bfloat16_raw raw;
-  raw.x = bits;
-  return __bfloat162float(__nv_bfloat16(raw));
-}
-
-float round_t(float f, ConvDType dt) { return from_bits(to_bits(f, dt), dt); }
+float round_t(float f, ConvDType dt) { return bits_to_float(float_to_bits(f, dt), dt); }
 
 std::vector<uint16_t> random_bits(size_t n, float lo, float hi, ConvDType dt, std::mt19937& rng) {
   std::uniform_real_distribution<float> dist(lo, hi);
   std::vector<uint16_t> v(n);
-  for (auto& x : v) x = to_bits(dist(rng), dt);
+  for (auto& x : v) x = float_to_bits(dist(rng), dt);
   return v;
 }
 
@@ -152,11 +131,11 @@ MaskData make_mask_data(const MaskCase& mc, ConvDType dt, std::mt19937& rng) {
   MaskData d;
   const size_t n = size_t(mc.pixels) * mc.c;
   const float t0 = std::uniform_real_distribution<float>(0.2f, 0.6f)(rng) * (mc.negative_b2a ? -1.f : 1.f);
-  d.t_bits = to_bits(t0, dt);
-  const float t = from_bits(d.t_bits, dt);
-  const float below = from_bits(ulp_step(d.t_bits, false), dt);
+  d.t_bits = float_to_bits(t0, dt);
+  const float t = bits_to_float(d.t_bits, dt);
+  const float below = bits_to_float(ulp_step(d.t_bits, false), dt);
   d.b2a = t - 0.3f * (t - below);  // strictly between below and t, nearer t: T(b2a) == t > b2a
-  if (to_bits(d.b2a, dt) != d.t_bits || !(d.b2a < t)) d.b2a = t;  // (cannot happen for these magnitudes)
+  if (float_to_bits(d.b2a, dt) != d.t_bits || !(d.b2a < t)) d.b2a = t;  // (cannot happen for these magnitudes)
   const uint16_t up1 = ulp_step(d.t_bits, true);
   d.dh = random_bits(n, -0.5f, 1.0f, dt, rng);  // mean 0.25: sums far from cancellation
   d.h2.resize(n);
@@ -168,8 +147,8 @@ MaskData make_mask_data(const MaskCase& mc, ConvDType dt, std::mt19937& rng) {
     } else if (k < 0.5f) {
       h = up1;       // the smallest value that counts as active
     } else {
-      h = to_bits(t + above(rng), dt);
-      if (from_bits(h, dt) <= t) h = up1;
+      h = float_to_bits(t + above(rng), dt);
+      if (bits_to_float(h, dt) <= t) h = up1;
     }
   }
   return d;
@@ -188,15 +167,15 @@ TEST_P(ReluMaskBackwardGpuTest, MatchesFloat64Reference) {
   const MaskData d = make_mask_data(mc, dt, rng);
 
   // Reference: the select (exact) and the two sums in float64.
-  const float t = from_bits(d.t_bits, dt);
+  const float t = bits_to_float(d.t_bits, dt);
   std::vector<uint16_t> expect(size_t(mc.pixels) * mc.pitch, kGapSentinel);
   double ref_dh = 0.0, ref_pre = 0.0;
   size_t active = 0;
   for (int64_t i = 0; i < mc.pixels; ++i)
     for (int ch = 0; ch < mc.c; ++ch) {
       const size_t src = size_t(i) * mc.c + ch;
-      const bool on = from_bits(d.h2[src], dt) > t;
-      const double v = from_bits(d.dh[src], dt);
+      const bool on = bits_to_float(d.h2[src], dt) > t;
+      const double v = bits_to_float(d.dh[src], dt);
       ref_dh += v;
       if (on) ref_pre += v, ++active;
       expect[size_t(i) * mc.pitch + ch] = on ? d.dh[src] : uint16_t(0);
@@ -420,7 +399,7 @@ struct HostInput {
     if (dtype == InputDType::kU8) return float(*p);
     uint16_t b;
     std::memcpy(&b, p, 2);
-    return from_bits(b, half_kind);
+    return bits_to_float(b, half_kind);
   }
 };
 
@@ -458,7 +437,7 @@ HostInput make_input(const StemCase& sc, ConvDType dt, std::mt19937& rng) {
     } else if (in.dtype == InputDType::kU8) {
       *p = static_cast<uint8_t>(byte(rng));
     } else {
-      const uint16_t b = to_bits(dist(rng), in.half_kind);
+      const uint16_t b = float_to_bits(dist(rng), in.half_kind);
       std::memcpy(p, &b, 2);
     }
   }
@@ -489,7 +468,7 @@ StemReference reference_stem(const StemCase& sc, ConvDType dt, const StemData& d
   r.dinput.assign(size_t(sc.n) * C * sc.h * sc.w, 0.0);
   std::vector<double> wd(size_t(K) * P);
   for (int k = 0; k < K; ++k)
-    for (int p = 0; p < P; ++p) wd[size_t(k) * P + p] = from_bits(d.weight[size_t(k) * P + p], dt);
+    for (int p = 0; p < P; ++p) wd[size_t(k) * P + p] = bits_to_float(d.weight[size_t(k) * P + p], dt);
   std::vector<double> s(K), g(P);
   for (int64_t m = 0; m < M; ++m) {
     const int img = int(m / (ho * wo)), i = int(m / wo % ho), j = int(m % wo);
@@ -501,10 +480,10 @@ StemReference reference_stem(const StemCase& sc, ConvDType dt, const StemData& d
     }
     for (int p = 0; p < P; ++p) {
       const size_t e = size_t(m) * P + p;
-      const float da = from_bits(d.da[e], dt);
+      const float da = bits_to_float(d.da[e], dt);
       r.sum_da += da;
-      const float sum = d.dz.empty() ? da : round_t(da + from_bits(d.dz[e], dt), dt);
-      g[p] = from_bits(d.x0[e], dt) > 0.f ? sum : 0.0;
+      const float sum = d.dz.empty() ? da : round_t(da + bits_to_float(d.dz[e], dt), dt);
+      g[p] = bits_to_float(d.x0[e], dt) > 0.f ? sum : 0.0;
     }
     for (int p = 0; p < P; ++p) {
       if (g[p] == 0.0) continue;
@@ -539,7 +518,7 @@ std::vector<double> dinput_values(const std::vector<uint8_t>& raw, DinputOut o) 
     } else {
       uint16_t b;
       std::memcpy(&b, raw.data() + i * 2, 2);
-      v[i] = from_bits(b, o == DinputOut::kF16 ? ConvDType::kF16 : ConvDType::kBF16);
+      v[i] = bits_to_float(b, o == DinputOut::kF16 ? ConvDType::kF16 : ConvDType::kBF16);
     }
   }
   return v;
@@ -572,7 +551,7 @@ TEST_P(StemBackwardGpuTest, MatchesFloat64Reference) {
     d.weight[e] = dt == ConvDType::kF16 ? 0x7e00 : 0x7fc0;
   d.x0 = random_bits(size_t(M) * P, -1.f, 1.f, dt, rng);
   for (auto& b : d.x0)
-    if (from_bits(b, dt) < 0.f) b = 0;  // relu: about half are 0 (masked)
+    if (bits_to_float(b, dt) < 0.f) b = 0;  // relu: about half are 0 (masked)
   d.da = random_bits(size_t(M) * P, -0.5f, 1.0f, dt, rng);  // mean 0.25: sum_da far from cancellation
   if (sc.dz) d.dz = random_bits(size_t(M) * P, -1.f, 1.f, dt, rng);
 

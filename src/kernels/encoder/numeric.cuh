@@ -1,6 +1,10 @@
-// Conversions between the network's storage types (fp16, bf16) and fp32, and PyTorch's NaN-keeping ReLU, shared by
-// the encoder's hand-written kernels.
+// Conversions between the network's storage types (fp16, bf16) and fp32 (single values, packed pairs and 16-byte
+// vectors of 8), the m16n8k16 tensor-core product, and PyTorch's NaN-keeping ReLU, shared by the encoder's
+// hand-written kernels.
 #pragma once
+
+#include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -20,6 +24,68 @@ template <>
 __device__ inline __half to_t<__half>(float v) { return __float2half_rn(v); }
 template <>
 __device__ inline __nv_bfloat16 to_t<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// The low 16 bits of b as a T, in fp32.
+template <class T>
+__device__ __forceinline__ float bits_to_f(uint32_t b) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  else
+    return __uint_as_float((b & 0xffffu) << 16);  // bf16 -> fp32 is exact: the high half
+}
+
+template <class T>
+__device__ __forceinline__ uint32_t t_bits(T v) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __half_as_ushort(v);
+  else
+    return __bfloat16_as_ushort(v);
+}
+
+// A packed pair of T (lo at the lower address) in fp32, and back: two round-to-nearest conversions (as to_t<T>) in
+// one cvt.rn.{f16,bf16}x2.
+template <class T>
+__device__ __forceinline__ float2 pair_to_f2(uint32_t bits) {
+  return make_float2(bits_to_f<T>(bits), bits_to_f<T>(bits >> 16));
+}
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// 8 consecutive T of a 16-byte vector in fp32, and back.
+template <class T>
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = pair_to_f2<T>(w[i]);
+    f[2 * i] = p.x, f[2 * i + 1] = p.y;
+  }
+}
+template <class T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
+}
+
+// D += A * B, m16n8k16 (row-major A, column-major B), fp32 accumulators.
+template <class T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 // torch.relu keeps NaN (fmaxf would turn it into 0).
 __device__ inline float relu_keep_nan(float v) { return v != v ? v : fmaxf(v, 0.f); }

@@ -32,14 +32,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCtas = 1056;
 constexpr int kVecsPerThread = 2;  // per grid-stride iteration
 
-template <class T>
-__device__ __forceinline__ float bits_to_f(uint32_t b) {
-  if constexpr (std::is_same_v<T, __half>)
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
-  else
-    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
-}
-
 // 8 channels: the select, and the two running sums.
 template <class T>
 __device__ __forceinline__ uint4 mask8(uint4 dh, uint4 h2, float thr, float& s_dh, float& s_pre) {

@@ -63,61 +63,6 @@ enum DyMode : int {
   kDyNchwF32 = 4,    // NCHW fp32, element loads
 };
 
-// --- conversions between packed storage and fp32 -------------------------------------------------------------------
-
-template <class T>
-__device__ inline float2 pair_to_f2(uint32_t bits);
-template <>
-__device__ inline float2 pair_to_f2<__half>(uint32_t bits) {
-  return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xffffu))),
-                     __half2float(__ushort_as_half(static_cast<unsigned short>(bits >> 16))));
-}
-template <>
-__device__ inline float2 pair_to_f2<__nv_bfloat16>(uint32_t bits) {  // bf16 -> fp32 is exact: the high half
-  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
-}
-
-template <class T>
-__device__ inline float bits_to_f(unsigned short bits);
-template <>
-__device__ inline float bits_to_f<__half>(unsigned short bits) {
-  return __half2float(__ushort_as_half(bits));
-}
-template <>
-__device__ inline float bits_to_f<__nv_bfloat16>(unsigned short bits) {
-  return __uint_as_float(uint32_t(bits) << 16);
-}
-
-template <class T>
-__device__ inline uint32_t f2_to_pair(float lo, float hi);
-template <>
-__device__ inline uint32_t f2_to_pair<__half>(float lo, float hi) {
-  return uint32_t(__half_as_ushort(__float2half_rn(lo))) | (uint32_t(__half_as_ushort(__float2half_rn(hi))) << 16);
-}
-template <>
-__device__ inline uint32_t f2_to_pair<__nv_bfloat16>(float lo, float hi) {
-  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-         (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
-}
-
-template <class T>
-__device__ inline void unpack8(const uint4& u, float (&f)[8]) {
-  float2 p = pair_to_f2<T>(u.x);
-  f[0] = p.x, f[1] = p.y;
-  p = pair_to_f2<T>(u.y);
-  f[2] = p.x, f[3] = p.y;
-  p = pair_to_f2<T>(u.z);
-  f[4] = p.x, f[5] = p.y;
-  p = pair_to_f2<T>(u.w);
-  f[6] = p.x, f[7] = p.y;
-}
-
-template <class T>
-__device__ inline uint4 pack8(const float (&f)[8]) {
-  return make_uint4(f2_to_pair<T>(f[0], f[1]), f2_to_pair<T>(f[2], f[3]), f2_to_pair<T>(f[4], f[5]),
-                    f2_to_pair<T>(f[6], f[7]));
-}
-
 // --- the main kernel -------------------------------------------------------------------------------------------------
 
 // Everything the main kernel needs; shared-memory offsets (bytes) come from the host's plan (plan_main).

@@ -28,6 +28,7 @@
 
 #include "kernels/encoder/encoder_kernels.h"
 #include "kernels/encoder/numeric.cuh"
+#include "kernels/encoder/stem_input.cuh"
 
 namespace kfuse::kernels {
 namespace {
@@ -87,87 +88,6 @@ constexpr bool stem_permutations_ok() {
   return true;
 }
 static_assert(stem_permutations_ok());
-
-// ---- element helpers ---------------------------------------------------------------------------------------------
-template <class T>
-__device__ __forceinline__ uint32_t t_bits(T v) {
-  if constexpr (std::is_same_v<T, __half>)
-    return __half_as_ushort(v);
-  else
-    return __bfloat16_as_ushort(v);
-}
-// Two round-to-nearest conversions (as to_t<T>) in one cvt.rn.{f16,bf16}x2; lo at the lower address / lower k.
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-
-// The 4 dx values of one (pixel, unit) are kept as sizeof(E) 32-bit words (fp32: 4, fp16 / bf16: 2, uint8: 1), element
-// dx at bits 8 * sizeof(E) * dx of the little-endian concatenation: exactly what one aligned vector load returns.
-template <class E>
-constexpr int kRawWords = int(sizeof(E));
-
-template <class E>
-__device__ __forceinline__ void load_raw_vec(const E* p, uint32_t (&w)[kRawWords<E>]) {  // p aligned to 4 elements
-  if constexpr (sizeof(E) == 4) {
-    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
-    w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w;
-  } else if constexpr (sizeof(E) == 2) {
-    const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
-    w[0] = r.x, w[1] = r.y;
-  } else {
-    w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
-  }
-}
-
-template <class E>
-__device__ __forceinline__ void load_raw_strided(const E* p, int64_t stride, uint32_t (&w)[kRawWords<E>]) {
-  if constexpr (sizeof(E) == 4) {
-#pragma unroll
-    for (int dx = 0; dx < 4; ++dx) w[dx] = __ldg(reinterpret_cast<const unsigned int*>(p + dx * stride));
-  } else if constexpr (sizeof(E) == 2) {
-    const unsigned short* p16 = reinterpret_cast<const unsigned short*>(p);
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      w[i] = uint32_t(__ldg(p16 + 2 * i * stride)) | (uint32_t(__ldg(p16 + (2 * i + 1) * stride)) << 16);
-  } else {
-    const unsigned char* p8 = reinterpret_cast<const unsigned char*>(p);
-    w[0] = uint32_t(__ldg(p8)) | (uint32_t(__ldg(p8 + stride)) << 8) | (uint32_t(__ldg(p8 + 2 * stride)) << 16) |
-           (uint32_t(__ldg(p8 + 3 * stride)) << 24);
-  }
-}
-
-template <class E>
-__device__ __forceinline__ float raw_elem(const uint32_t (&w)[kRawWords<E>], int dx) {  // dx: compile-time after unroll
-  if constexpr (std::is_same_v<E, float>) {
-    return __uint_as_float(w[dx]);
-  } else if constexpr (std::is_same_v<E, __half>) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(w[dx >> 1] >> (16 * (dx & 1)))));
-  } else if constexpr (std::is_same_v<E, __nv_bfloat16>) {
-    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(w[dx >> 1] >> (16 * (dx & 1)))));
-  } else {
-    return static_cast<float>((w[0] >> (8 * dx)) & 0xffu);
-  }
-}
-
-// D += A * B, m16n8k16, fp32 accumulators.
-template <class T>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Stages k-steps [s0, s0 + ns) of the weight (columns n0 .. n0 + 63, zero past p0) into bs as per-lane fragments.
 template <class T>
