@@ -17,6 +17,12 @@ done
 for inc in /usr/include /usr/local/include; do
   [[ -f "$inc/nlohmann/json.hpp" ]] && { cp -r "$inc/nlohmann" .kfuse-dist/include/; break; }
 done
+# cuDNN's headers (the toolkit's here; the GPU machine's cuDNN may have come with PyTorch's wheels, without them): kfuse
+# loads cuDNN at run time and needs only its declarations to build (kernels/conv/cudnn_conv.h).
+cudnn_inc=$(dirname "$(find /usr/local/cuda/include /usr/include -maxdepth 1 -name cudnn.h 2>/dev/null | head -1)" 2>/dev/null || true)
+if [[ -n "$cudnn_inc" && -f "$cudnn_inc/cudnn.h" ]]; then
+  mkdir -p .kfuse-dist/include/cudnn && cp "$cudnn_inc"/cudnn*.h .kfuse-dist/include/cudnn/
+fi
 cp build/tests/cpp/test_*_gpu .kfuse-dist/bin/
 { git rev-parse --short HEAD 2>/dev/null || echo unknown; } | tr -d '\n' > .kfuse-dist/COMMIT
 if git status --porcelain --untracked-files=no | grep -q .; then echo -n "+dirty" >> .kfuse-dist/COMMIT; fi

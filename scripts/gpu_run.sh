@@ -47,6 +47,11 @@ fi
 # The image's default CXX (/opt/gcc/bin/g++) is a wrapper that links libstdc++ statically; inside a Python process
 # that already holds the shared libstdc++ (through torch) the two copies' global state clash (std::regex and
 # iostreams crashed). The distribution's g++ links it dynamically.
+# cuDNN headers carried in the bundle (used when the machine's toolkit has none).
+cudnn_inc_arg=()
+if [[ ! -f /usr/local/cuda/include/cudnn.h && -f .kfuse-dist/include/cudnn/cudnn.h ]]; then
+  cudnn_inc_arg=(-DKFUSE_CUDNN_INCLUDE_DIR="$root/.kfuse-dist/include/cudnn")
+fi
 compiler=()
 if [[ -x /usr/bin/g++ ]]; then
   compiler=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++)
@@ -54,6 +59,7 @@ if [[ -x /usr/bin/g++ ]]; then
 fi
 if cmake --fresh -S . -B build-gpu/full -G Ninja "${compiler[@]}" -DKFUSE_KERNEL_OBJECTS_DIR="$root/.kfuse-dist/objects" \
      -DKFUSE_JSON_INCLUDE_DIR="$root/.kfuse-dist/include" -DKFUSE_BUILD_TESTS=OFF \
+     ${cudnn_inc_arg[@]+"${cudnn_inc_arg[@]}"} \
      -DPython_EXECUTABLE="$(command -v "$py")" >"$logs/build.log" 2>&1 &&
    cmake --build build-gpu/full -j 16 >>"$logs/build.log" 2>&1; then
   status[build]="ok ($((SECONDS - t0)) s)"
@@ -63,8 +69,11 @@ fi
 if ldd python/kfuse/_C*.so | grep -q 'libstdc++'; then :; else
   echo "[gpu_run] warning: kfuse._C does not link libstdc++ dynamically (static copy: std::regex/iostreams may crash)"
 fi
-# The C++ GPU test binaries came prebuilt; they find this libkfuse here.
+# The C++ GPU test binaries came prebuilt; they find this libkfuse here, and cuDNN (a tuner candidate, loaded at run
+# time) where PyTorch's wheels put it when the system has none.
 export LD_LIBRARY_PATH="$root/build-gpu/full/src${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+cudnn_lib=$("$py" -c 'import glob, os, nvidia; print(next((os.path.dirname(f) for d in nvidia.__path__ for f in glob.glob(d + "/**/libcudnn.so.9", recursive=True)), ""))' 2>/dev/null || true)
+[[ -n "$cudnn_lib" && -d "$cudnn_lib" ]] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$cudnn_lib"
 
 # A fresh tuning cache per run: the tests tune their geometries on first use, `kfuse tune` retunes the benchmark's.
 export KFUSE_CACHE_DIR="$root/build-gpu/cache"

@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <random>
+#include <memory>
 
 #include <cuda_runtime.h>
 
 #include "kfuse/device.h"
 #include "kfuse/error.h"
+#include "runtime/op_tuning.h"
+#include "runtime/cuda_check.h"
 #include "runtime/half_bits.h"
 
 namespace kfuse {
@@ -18,10 +20,6 @@ using kernels::ConvDType;
 using kernels::ConvTile;
 
 namespace {
-
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string("kfuse: ") + what + " failed: " + cudaGetErrorString(e));
-}
 
 bool is_sm90_tile(ConvTile t) {
   return t == ConvTile::kSm90_128x64 || t == ConvTile::kSm90_64x64 || t == ConvTile::kSm90_64x64_c2x2 ||
@@ -55,13 +53,6 @@ int64_t tiles(const Conv2dProblem& p, ConvTile t) {
   return (gemm_m(p) + i.m - 1) / i.m * ((p.k + i.n - 1) / i.n);
 }
 
-void upload_random(void* dst, size_t elems, float scale, ConvDType dt, uint32_t seed) {
-  std::vector<uint16_t> h(elems);
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> u(-scale, scale);
-  for (auto& v : h) v = float_to_bits(u(gen), dt);
-  check_cuda(cudaMemcpy(dst, h.data(), 2 * elems, cudaMemcpyHostToDevice), "cudaMemcpy (tuning inputs)");
-}
 
 }  // namespace
 
@@ -160,23 +151,8 @@ ConvConfig ConvTuningScratch::tune(const Conv2dProblem& p, ConvDType dtype, bool
   KFUSE_CHECK(!cands.empty(), InvalidArgument, "no convolution kernel can run ", conv_shape_key(p));
   std::vector<std::string> names;
   for (const ConvConfig& c : cands) names.push_back(c.name());
-
-  TuningKey key;
-  key.device = info.name;
-  key.sm_count = info.sm_count;
-  key.cuda_runtime = info.runtime_version;
-  key.driver = info.driver_version;
-  key.op = relu ? "conv2d_fprop_fixup_relu" : "conv2d_fprop_fixup";
-  key.shape = conv_shape_key(p);
-  key.dtype = dtype == ConvDType::kF16 ? "f16" : "bf16";
-  key.layout = "nhwc_krsc";
-  key.candidates = candidate_set_checksum(names);
-
-  row = OpTuningReport{};
-  row.op = key.op;
-  row.shape = key.shape;
-  row.dtype = key.dtype;
-  row.default_choice = names[0];
+  const TuningKey key = device_tuning_key(relu ? "conv2d_fprop_fixup_relu" : "conv2d_fprop_fixup",
+                                          conv_shape_key(p), dtype, names);
 
   const size_t x_elems = size_t(p.n) * p.h * p.w * p.c;
   const size_t w_elems = size_t(p.k) * p.r * p.s * p.c;
@@ -186,99 +162,28 @@ ConvConfig ConvTuningScratch::tune(const Conv2dProblem& p, ConvDType dtype, bool
     ws = std::max(ws, kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k));
 
   // Cached choices need no buffers; everything else runs on random data of the problem's size.
-  std::vector<uint16_t> ref, out;
-  cudaStream_t stream = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
-  int reps = 1;
-  auto cleanup = [&] {
-    if (start) cudaEventDestroy(start);
-    if (stop) cudaEventDestroy(stop);
-    if (stream) cudaStreamDestroy(stream);
-  };
-  kernels::FixupEpilogue e;  // points at scalars_ once prepare() allocated them
-  bool prepared = false;
-  auto prepare = [&] {
-    if (prepared) return;
+  std::unique_ptr<CandidateTimer> timer;
+  auto prepare = [&]() -> CandidateTimer& {
+    if (timer) return *timer;
     reserve(2 * x_elems, 2 * w_elems, 2 * y_elems, ws);
-    e = kernels::FixupEpilogue{scalars_, scalars_ + 1, scalars_ + 2, relu};
     upload_random(x_, x_elems, 1.0f, dtype, 1234u);
     upload_random(w_, w_elems, 1.0f / std::sqrt(float(gemm_k(p))), dtype, 5678u);
-    check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    check_cuda(cudaEventCreate(&start), "cudaEventCreate");
-    check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
-    prepared = true;
+    const kernels::FixupEpilogue e{scalars_, scalars_ + 1, scalars_ + 2, relu};
+    auto launch = [this, &p, dtype, &cands, e](size_t i, cudaStream_t stream) {
+      check_cuda(kernels::conv2d_fprop_fixup(p, dtype, cands[i].tile, x_, w_, y_, e, cands[i].split_k, ws_,
+                                             ws_bytes_, stream),
+                 "conv2d_fprop_fixup (tuning)");
+    };
+    // All candidates accumulate in fp32: they differ by summation order and one rounding of the output (~1e-3 in
+    // fp16, ~8e-3 in bf16).
+    timer = std::make_unique<CandidateTimer>(launch, poison_fn(y_, 2 * y_elems), read_t_fn(y_, y_elems, dtype),
+                                             dtype == ConvDType::kF16 ? 5e-3 : 2e-2);
+    return *timer;
   };
-  auto launch = [&](size_t i) {
-    check_cuda(kernels::conv2d_fprop_fixup(p, dtype, cands[i].tile, x_, w_, y_, e, cands[i].split_k, ws_, ws_bytes_,
-                                           stream),
-               "conv2d_fprop_fixup (tuning)");
-  };
-  auto copy_out = [&](std::vector<uint16_t>& v) {
-    v.resize(y_elems);
-    check_cuda(cudaMemcpyAsync(v.data(), y_, 2 * y_elems, cudaMemcpyDeviceToHost, stream), "cudaMemcpy (tuning)");
-    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-  };
-  // One measurement = `reps` back-to-back launches between two events (sized on the reference to ~100 us, so the
-  // events' resolution and the launch gaps do not dominate), the time per launch returned.
-  auto measure = [&](size_t i) -> double {
-    prepare();
-    if (ref.empty() && i == 0) {
-      check_cuda(cudaMemsetAsync(y_, 0xff, 2 * y_elems, stream), "cudaMemset");  // poison: NaN in fp16 and bf16
-      launch(0);
-      copy_out(ref);
-      check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
-      launch(0);
-      check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
-      check_cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
-      float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
-      reps = std::clamp(int(std::ceil(0.1 / std::max(ms, 1e-4f))), 1, 50);
-    }
-    if (i != 0) check_cuda(cudaMemsetAsync(y_, 0xff, 2 * y_elems, stream), "cudaMemset");
-    check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
-    for (int r = 0; r < reps; ++r) launch(i);
-    check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
-    check_cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    check_cuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    return double(ms) / reps;
-  };
-  // Normwise relative difference against the reference candidate: all candidates accumulate in fp32, so they
-  // differ by summation order and one rounding of the output (~1e-3 in fp16, ~8e-3 in bf16).
-  auto check = [&](size_t) -> bool {
-    copy_out(out);
-    double num = 0, den = 0;
-    for (size_t j = 0; j < y_elems; ++j) {
-      const double a = bits_to_float(out[j], dtype), b = bits_to_float(ref[j], dtype);
-      if (!std::isfinite(a)) return false;
-      num += (a - b) * (a - b);
-      den += b * b;
-    }
-    return std::sqrt(num) <= (dtype == ConvDType::kF16 ? 5e-3 : 2e-2) * std::sqrt(den) + 1e-30;
-  };
-
-  TuningResult r;
-  try {
-    r = kfuse::tune(cache, key, names, measure, check, 0, mode, options);
-  } catch (...) {
-    cleanup();
-    throw;
-  }
-  cleanup();
-  row.choice = names[r.chosen];
-  row.from_cache = r.from_cache;
-  if (!r.candidates.empty()) {
-    row.default_ms = r.candidates[0].median_ms;
-    row.tuned_ms = r.candidates[r.chosen].median_ms;
-    row.spread_ms = r.candidates[r.chosen].max_ms - r.candidates[r.chosen].min_ms;
-    row.candidates = r.candidates;
-  } else if (r.from_cache) {
-    if (const auto c = cache.get(key)) {
-      row.default_ms = c->default_ms;
-      row.tuned_ms = c->median_ms;
-      row.spread_ms = c->spread_ms;
-    }
-  }
+  const TuningResult r = kfuse::tune(
+      cache, key, names, [&](size_t i) { return prepare().measure(i); },
+      [&](size_t i) { return prepare().check(i); }, 0, mode, options);
+  row = tuning_report(key, names, r, cache);
   return cands[r.chosen];
 }
 

@@ -16,6 +16,7 @@
 #include "kfuse/encoder_gpu.h"
 #include "kfuse/error.h"
 #include "runtime/conv_selection.h"
+#include "runtime/cuda_check.h"
 #include "runtime/half_bits.h"
 
 namespace kfuse {
@@ -25,9 +26,7 @@ using kernels::Conv2dProblem;
 using kernels::ConvDType;
 using kernels::ConvTile;
 
-inline void check_cuda(cudaError_t e, const std::string& what) {
-  if (e != cudaSuccess) throw Error("kfuse: " + what + " failed: " + cudaGetErrorString(e));
-}
+using kfuse::check_cuda;
 
 // The packed weight buffer: every array 256-byte aligned in one device allocation. The layout is planned once per
 // encoder (plan_weights); set_weights fills it from host tensors, the training step on the device from PyTorch's

@@ -3,28 +3,30 @@
 //
 //   SE + residual backward  -> d_o, dz (= d identity), SE parameter gradients, sum d_o (b2b), sum dy (next b1a)
 //   conv2 wgrad (h2, d_o)   -> G2;  dW2 = scale * G2,  d scale = <W2, G2>      (no stash of conv2's raw output)
-//   conv2 dgrad             -> dh2 = scale * conv2^T(d_o), a forward conv with flipped filters (tuned kernels)
-//   ReLU-mask backward      -> d_pre1 (where relu was active), sum dh2 (b2a), sum d_pre1 (b1b)
+//   conv2 dgrad             -> dh2 / scale = conv2^T(d_o)
+//   ReLU-mask backward      -> d_pre1 = scale * dh2 where relu was active, sum dh2 (b2a), sum d_pre1 (b1b)
 //   conv1 [+ shortcut]      -> the downsampling blocks keep [d_pre1 | dz] as one 2P-channel gradient and the two
 //                              filters as one [2P][3][3][Cin] filter (the shortcut is a 3x3 conv with Wd/9 taps), so
-//                              one wgrad and one strided dgrad serve both; identity blocks: conv1's dgrad as a forward
-//                              conv with flipped filters, plus dz
+//                              one wgrad and one strided dgrad serve both; identity blocks: conv1's dgrad plus dz
+//   Every weight and data gradient runs the tuner's choice for its shape (backward_conv_selection.h): kfuse's CUTLASS
+//   kernels (a stride-1 dgrad as a forward conv with flipped filters) or cuDNN's.
 //   stem backward           -> dW_stem, sum da (block 1's b1a), and dL/dx when asked
-//   gradient finalize       -> KRSC fp32 sums into PyTorch's layouts (one launch for the network)
+//   gradient finalize       -> KRSC sums (fp32, or T from cuDNN) into PyTorch's fp32 layouts (one launch)
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <unordered_map>
 
 #include "kernels/conv/conv_backward.h"
 #include "kernels/encoder/backward_kernels.h"
 #include "kernels/encoder/weight_layout.h"
 #include "kfuse/encoder_gpu.h"
+#include "runtime/backward_conv_selection.h"
 #include "runtime/encoder_gpu_impl.h"
 
 namespace kfuse {
 
-using kernels::BackwardTile;
 using kernels::GradJob;
 using kernels::PackJob;
 using kernels::PackKind;
@@ -35,7 +37,7 @@ struct TrainBuffers {
   void* base = nullptr;
   Activations act;                               // forward: x0, a, h2, o, y (stash) and idt (scratch)
   std::vector<void*> d_o, dh2, dcat, dz, dx;     // per block; dz only for identity blocks (else inside dcat)
-  std::vector<float*> g1, g2;                    // fp32 KRSC weight-gradient sums: conv1 [+ shortcut], conv2
+  std::vector<float*> g1, g2;                    // KRSC weight-gradient sums (fp32, or T): conv1 [+ shortcut], conv2
   uint64_t stash = 0;                            // id of the forward whose values the buffers hold (0: none)
   DType y_dtype = DType::F32;
 };
@@ -56,6 +58,11 @@ struct TrainingState {
   void* scratch = nullptr;
   size_t scratch_bytes = 0;
   bool weights_from_device = false;
+  // Backward convolution choices per shape (conv_shape_key of the forward problem): the tuner's, else the heuristic.
+  std::map<std::string, WgradChoice> wgrad_choice;
+  std::map<std::string, DgradChoice> dgrad_choice;
+  std::set<Geometry> backward_tuned;
+  std::unique_ptr<BackwardConvTuningScratch> tuning_scratch;
 
   ~TrainingState() {
     for (auto& [g, b] : buffers) cudaFree(b.base);
@@ -79,31 +86,6 @@ ParamDType param_dtype(DType d) {
     case DType::BF16: return ParamDType::kBF16;
     default: throw InvalidArgument(std::string("kfuse: parameters must be F32, F16 or BF16, got ") + dtype_name(d));
   }
-}
-
-// Weight-gradient configuration: the GEMM is M = k, N = r*s*c, K = n*p*q (huge): split K so that the tiles fill
-// the machine about twice, keeping at least 256 of K per slice.
-struct WgradConfig {
-  BackwardTile tile;
-  int split_k;
-};
-WgradConfig wgrad_config(const Conv2dProblem& p, ConvDType dtype, int sm_count) {
-  const BackwardTile tile = dtype == ConvDType::kBF16 ? BackwardTile::k128x64
-                            : p.k >= 128                ? BackwardTile::k128x128
-                                                        : BackwardTile::k64x64;
-  const int tm = tile == BackwardTile::k64x64 ? 64 : 128;
-  const int tn = tile == BackwardTile::k128x128 ? 128 : 64;
-  const int64_t tiles = int64_t((p.k + tm - 1) / tm) * ((p.r * p.s * p.c + tn - 1) / tn);
-  const int64_t gemm_k = int64_t(p.n) * p.p() * p.q();
-  int64_t split = std::max<int64_t>(1, (2 * sm_count + tiles - 1) / tiles);
-  split = std::min<int64_t>({split, 256, std::max<int64_t>(1, gemm_k / 256)});
-  return {tile, int(split)};
-}
-
-// Strided data gradient: M = n*h*w, N = c.
-BackwardTile dgrad_tile(const Conv2dProblem& p, ConvDType dtype) {
-  if (dtype == ConvDType::kBF16) return BackwardTile::k128x64;
-  return p.c >= 128 ? BackwardTile::k128x128 : BackwardTile::k128x64;
 }
 
 }  // namespace
@@ -169,6 +151,49 @@ BlockProblems block_problems(const EncoderConfig::Block& b, int n, int h, int w)
   bp.conv2 = Conv2dProblem{n, h / b.stride, w / b.stride, b.planes, b.planes, 3, 3, 1, 1, 1, 1};
   bp.conv1_dgrad_fwd = Conv2dProblem{n, h, w, b.planes, b.in_planes, 3, 3, 1, 1, 1, 1};
   return bp;
+}
+
+std::vector<BlockProblems> geometry_problems(const EncoderGpu::Impl& m, const Geometry& g) {
+  std::vector<BlockProblems> probs;
+  int h = g.h / 4, w = g.w / 4;
+  for (const auto& b : m.blocks) {
+    probs.push_back(block_problems(b, g.n, h, w));
+    h /= b.stride;
+    w /= b.stride;
+  }
+  return probs;
+}
+
+// The backward convolutions' kernels: the tuner's choice for the shape, else the heuristic.
+WgradChoice wgrad_for(const EncoderGpu::Impl& m, const TrainingState& t, const Conv2dProblem& p) {
+  const auto it = t.wgrad_choice.find(conv_shape_key(p));
+  return it != t.wgrad_choice.end() ? it->second : wgrad_heuristic(p, m.dtype, m.sm_count);
+}
+DgradChoice dgrad_for(const EncoderGpu::Impl& m, const TrainingState& t, const Conv2dProblem& p) {
+  const auto it = t.dgrad_choice.find(conv_shape_key(p));
+  return it != t.dgrad_choice.end() ? it->second
+                                    : dgrad_heuristic(p, m.dtype, m.choose(flipped_forward_problem(p), false));
+}
+
+// Tunes geometry g's backward convolutions on first use, as the tuning mode says (never inside a stream capture):
+// per block the weight gradients of conv2 and conv1 [+ shortcut] and the data gradients of both.
+void tune_backward_on_first_use(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g, cudaStream_t stream) {
+  if (t.backward_tuned.count(g) || m.tuning_mode == TuningMode::kOff) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) return;
+  if (!t.tuning_scratch) t.tuning_scratch = std::make_unique<BackwardConvTuningScratch>();
+  if (!m.tuning_cache) m.tuning_cache = std::make_unique<TuningCache>();
+  for (const BlockProblems& bp : geometry_problems(m, g)) {
+    for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1_cat}) {
+      OpTuningReport row;
+      t.wgrad_choice[conv_shape_key(*p)] =
+          t.tuning_scratch->tune_wgrad(*p, m.dtype, *m.tuning_cache, m.tuning_mode, row);
+      t.dgrad_choice[conv_shape_key(*p)] = t.tuning_scratch->tune_dgrad(
+          *p, m.dtype, m.choose(flipped_forward_problem(*p), false), *m.tuning_cache, m.tuning_mode, row);
+    }
+  }
+  t.backward_tuned.insert(g);
 }
 
 TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g) {
@@ -314,6 +339,7 @@ uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensor
   const Geometry g{int(x.shape[0]), int(x.shape[2]), int(x.shape[3])};
   Impl::Device scope(m.device);
   m.tune_on_first_use(g, stream);
+  tune_backward_on_first_use(m, t, g, stream);
   m.ensure_workspace(g);
   TrainBuffers& tb = train_buffers(m, t, g);
   const kernels::StemArgs stem = m.stem_args(x, tb.act);
@@ -372,43 +398,36 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
   const size_t nb = m.blocks.size();
   auto grad = [&](const std::string& name) { return grads + t.grad_offset[param_index(t, name)]; };
 
-  // Geometry per block and the workspaces every launch needs (one scratch area, used one launch at a time).
-  std::vector<BlockProblems> probs;
-  {
-    int h = g.h / 4, w = g.w / 4;
-    for (const auto& b : m.blocks) {
-      probs.push_back(block_problems(b, g.n, h, w));
-      h /= b.stride;
-      w /= b.stride;
-    }
-  }
-  size_t conv_ws = 0;
+  // Geometry per block and the backward convolutions' kernels; every workspace comes from one scratch area (the
+  // launches on one stream use it one at a time).
+  const std::vector<BlockProblems> probs = geometry_problems(m, g);
+  struct BlockConvs {
+    WgradChoice wgrad2, wgrad1;  // conv2; conv1 [+ shortcut]
+    DgradChoice dgrad2, dgrad1;
+  };
+  std::vector<BlockConvs> convs(nb);
   for (size_t i = 0; i < nb; ++i) {
-    const auto& b = m.blocks[i];
     const BlockProblems& bp = probs[i];
-    for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1_cat}) {
-      const WgradConfig wc = wgrad_config(*p, m.dtype, m.sm_count);
-      KFUSE_CHECK(kernels::conv2d_wgrad_can_implement(*p, m.dtype, wc.tile, wc.split_k), InvalidArgument,
-                  "kfuse: the weight-gradient kernels cannot run block '", b.prefix, "' at this size");
-    }
-    for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1_dgrad_fwd}) {
-      if (p == &bp.conv1_dgrad_fwd && b.stride != 1) continue;
-      const ConvConfig c = m.choose(*p, false);
-      KFUSE_CHECK(kernels::conv2d_fprop_fixup_can_implement(*p, m.dtype, c.tile, c.split_k), InvalidArgument,
-                  "kfuse: the data-gradient kernels cannot run block '", b.prefix, "' at this size");
-      conv_ws = std::max(conv_ws, kernels::conv2d_fprop_fixup_workspace_bytes(*p, m.dtype, c.tile, c.split_k));
-    }
-    if (b.stride != 1)
-      KFUSE_CHECK(kernels::conv2d_dgrad_can_implement(bp.conv1_cat, m.dtype, dgrad_tile(bp.conv1_cat, m.dtype)),
-                  InvalidArgument, "kfuse: the strided data-gradient kernel cannot run block '", b.prefix,
-                  "' at this size");
+    BlockConvs& c = convs[i];
+    c.wgrad2 = wgrad_for(m, t, bp.conv2);
+    c.wgrad1 = wgrad_for(m, t, bp.conv1_cat);
+    c.dgrad2 = dgrad_for(m, t, bp.conv2);
+    c.dgrad1 = dgrad_for(m, t, bp.conv1_cat);
+    KFUSE_CHECK(wgrad_can_implement(c.wgrad2, bp.conv2, m.dtype) &&
+                    wgrad_can_implement(c.wgrad1, bp.conv1_cat, m.dtype),
+                InvalidArgument, "kfuse: the weight-gradient kernels cannot run block '", m.blocks[i].prefix,
+                "' at this size");
+    KFUSE_CHECK(dgrad_can_implement(c.dgrad2, bp.conv2, m.dtype) &&
+                    dgrad_can_implement(c.dgrad1, bp.conv1_cat, m.dtype),
+                InvalidArgument, "kfuse: the data-gradient kernels cannot run block '", m.blocks[i].prefix,
+                "' at this size");
   }
-  m.grow_conv_workspace(conv_ws);
 
   // --- launch arguments, sized first so that one scratch allocation serves them all ---------------------------
   const uint8_t* W8 = static_cast<const uint8_t*>(m.weights);
   auto wp = [&](size_t off) { return static_cast<const void*>(W8 + off); };
   auto fp = [&](size_t off) { return reinterpret_cast<const float*>(W8 + off); };
+  auto wflip = [&](size_t off) { return off == kNone ? nullptr : wp(off); };  // flipped filters: stride 1 only
   std::vector<kernels::SeBackwardArgs> se(nb);
   std::vector<kernels::ReluMaskBackwardArgs> mask(nb);
   size_t scratch = 0;
@@ -443,6 +462,7 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       r.dh = tb.dh2[i];
       r.h2 = tb.act.h2[i];
       r.b2a = fp(W.scalars) + kB2a;
+      r.scale = fp(W.scalars) + kScale;  // the data gradient below leaves conv2's scale out
       r.pixels = int64_t(g.n) * ho * wo;
       r.c = b.planes;
       r.d_pre = tb.dcat[i];
@@ -452,13 +472,11 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       scratch = std::max(scratch, kernels::relu_mask_backward_workspace_bytes(r));
 
       const BlockProblems& bp = probs[i];
-      for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1_cat}) {
-        const WgradConfig wc = wgrad_config(*p, m.dtype, m.sm_count);
-        scratch = std::max(scratch, kernels::conv2d_wgrad_workspace_bytes(*p, m.dtype, wc.tile, wc.split_k));
-      }
-      if (b.stride != 1)
-        scratch = std::max(scratch, kernels::conv2d_dgrad_workspace_bytes(bp.conv1_cat, m.dtype,
-                                                                          dgrad_tile(bp.conv1_cat, m.dtype)));
+      const BlockConvs& c = convs[i];
+      scratch = std::max({scratch, wgrad_workspace_bytes(c.wgrad2, bp.conv2, m.dtype),
+                          wgrad_workspace_bytes(c.wgrad1, bp.conv1_cat, m.dtype),
+                          dgrad_workspace_bytes(c.dgrad2, bp.conv2, m.dtype),
+                          dgrad_workspace_bytes(c.dgrad1, bp.conv1_cat, m.dtype)});
       if (!b.has_downsample && i > 0)
         scratch = std::max(scratch, kernels::add_and_sum_workspace_bytes(int64_t(g.n) * h * w * b.in_planes));
       h = ho;
@@ -490,17 +508,19 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
     const auto& b = m.blocks[i];
     const BlockWeights& W = m.bw[i];
     GradJob j1;
-    j1.g = tb.g1[i], j1.dst = grad(b.prefix + "conv1.weight"), j1.kind = 0;
+    j1.g = tb.g1[i], j1.g_is_t = convs[i].wgrad1.writes_t(), j1.dst = grad(b.prefix + "conv1.weight"), j1.kind = 0;
     j1.k = b.planes, j1.c = b.in_planes, j1.r = 3, j1.s = 3;
     jobs.push_back(j1);
     if (b.has_downsample) {
       GradJob jd;
-      jd.g = tb.g1[i] + size_t(b.planes) * 9 * b.in_planes, jd.dst = grad(b.prefix + b.downsample_weight());
+      jd.g = static_cast<const uint8_t*>(j1.g) + size_t(b.planes) * 9 * b.in_planes * (j1.g_is_t ? 2 : 4);
+      jd.g_is_t = j1.g_is_t;
+      jd.dst = grad(b.prefix + b.downsample_weight());
       jd.kind = 1, jd.k = b.planes, jd.c = b.in_planes, jd.r = 3, jd.s = 3;
       jobs.push_back(jd);
     }
     GradJob j2;
-    j2.g = tb.g2[i], j2.dst = grad(b.prefix + "conv2.weight"), j2.kind = 0;
+    j2.g = tb.g2[i], j2.g_is_t = convs[i].wgrad2.writes_t(), j2.dst = grad(b.prefix + "conv2.weight"), j2.kind = 0;
     j2.alpha = fp(W.scalars) + kScale;
     j2.dot_w = wp(W.conv2);
     j2.dst_dot = grad(b.prefix + "fixup_scale");
@@ -532,35 +552,27 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
     const BlockWeights& W = m.bw[ii];
     const BlockProblems& bp = probs[ii];
     const std::string where = " (block '" + b.prefix + "')";
+    const BlockConvs& c = convs[ii];
+    const size_t wsb = t.scratch_bytes;
     check_cuda(kernels::launch_se_backward(se[ii], m.dtype, ws, stream), "squeeze-excite backward" + where);
-    {
-      const WgradConfig wc = wgrad_config(bp.conv2, m.dtype, m.sm_count);
-      check_cuda(kernels::conv2d_wgrad(bp.conv2, m.dtype, wc.tile, wc.split_k, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii],
-                                       ws, t.scratch_bytes, stream),
-                 "conv2 weight gradient" + where);
-    }
-    // dh2 = scale * conv2^T(d_o): the forward conv with conv2's flipped filters, epilogue alpha = scale.
-    m.conv(bp.conv2, tb.d_o[ii], W.conv2_flip, tb.dh2[ii], kernels::FixupEpilogue{fp(W.scalars) + kScale}, stream);
+    check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], ws, wsb, stream),
+               "conv2 weight gradient (" + c.wgrad2.name() + ")" + where);
+    // dh2 / scale = conv2^T(d_o); the ReLU-mask backward applies the scale.
+    check_cuda(run_dgrad(c.dgrad2, bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2), wflip(W.conv2_flip),
+                         tb.dh2[ii], ws, wsb, stream),
+               "conv2 data gradient (" + c.dgrad2.name() + ")" + where);
     check_cuda(kernels::launch_relu_mask_backward(mask[ii], m.dtype, ws, stream), "ReLU mask backward" + where);
-    {
-      const WgradConfig wc = wgrad_config(bp.conv1_cat, m.dtype, m.sm_count);
-      check_cuda(kernels::conv2d_wgrad(bp.conv1_cat, m.dtype, wc.tile, wc.split_k, tb.dcat[ii], tb.act.a[ii],
-                                       tb.g1[ii], ws, t.scratch_bytes, stream),
-                 "conv1 weight gradient" + where);
-    }
-    if (b.stride != 1) {
-      // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one strided data gradient over the concatenated filters.
-      check_cuda(kernels::conv2d_dgrad(bp.conv1_cat, m.dtype, dgrad_tile(bp.conv1_cat, m.dtype), tb.dcat[ii],
-                                       wp(W.conv1), tb.dx[ii], ws, t.scratch_bytes, stream),
-                 "conv1 data gradient" + where);
-    } else {
-      m.conv(bp.conv1_dgrad_fwd, tb.dcat[ii], W.conv1_flip, tb.dx[ii], kernels::FixupEpilogue{}, stream);
-      if (ii > 0) {  // dx = d a + dz; d b1a = sum of d a (the first block's is the stem backward's)
-        check_cuda(kernels::launch_add_and_sum(tb.dx[ii], tb.dz[ii], tb.dx[ii],
-                                               int64_t(bp.conv1.n) * bp.conv1.h * bp.conv1.w * b.in_planes,
-                                               grad(b.prefix + "fixup_bias1a"), m.dtype, ws, stream),
-                   "identity gradient" + where);
-      }
+    check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], ws, wsb, stream),
+               "conv1 weight gradient (" + c.wgrad1.name() + ")" + where);
+    // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one data gradient over the concatenated filters.
+    check_cuda(run_dgrad(c.dgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], wp(W.conv1), wflip(W.conv1_flip),
+                         tb.dx[ii], ws, wsb, stream),
+               "conv1 data gradient (" + c.dgrad1.name() + ")" + where);
+    if (!b.has_downsample && ii > 0) {  // dx = d a + dz; d b1a = sum of d a (block 1: the stem's)
+      check_cuda(kernels::launch_add_and_sum(tb.dx[ii], tb.dz[ii], tb.dx[ii],
+                                             int64_t(bp.conv1.n) * bp.conv1.h * bp.conv1.w * b.in_planes,
+                                             grad(b.prefix + "fixup_bias1a"), m.dtype, ws, stream),
+                 "identity gradient" + where);
     }
   }
   check_cuda(kernels::launch_stem_backward(sb, m.dtype, ws, stream), "stem backward");

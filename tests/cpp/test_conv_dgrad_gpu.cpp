@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "conv_backward_reference.h"
 #include "gpu_test_support.h"
 #include "runtime/half_bits.h"
 
@@ -49,42 +50,10 @@ double dgrad_tolerance(ConvDType dt) { return dt == ConvDType::kF16 ? 5e-3 : 2e-
 
 std::string dgrad_skip_reason() { return kfuse::testing::device_skip_reason(8, 9, "the dgrad conv kernels"); }
 
-size_t dx_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w * p.c; }
-size_t w_elems(const Conv2dProblem& p) { return size_t(p.k) * p.r * p.s * p.c; }
-size_t dy_elems(const Conv2dProblem& p) { return size_t(p.n) * p.p() * p.q() * p.k; }
-
-// float64 data gradient, scattered from every (n, p, q, r, s) tap into the input pixel it reads in the forward conv.
-// covered[n, y, x] says whether any tap reaches the pixel (dx must be exactly 0 where none does).
-std::vector<double> reference_dgrad(const Conv2dProblem& p, const std::vector<uint16_t>& dy,
-                                    const std::vector<uint16_t>& w, ConvDType dt, std::vector<char>* covered) {
-  const int P = p.p(), Q = p.q();
-  std::vector<double> dyd(dy.size()), wd(w.size());
-  for (size_t i = 0; i < dy.size(); ++i) dyd[i] = kfuse::bits_to_float(dy[i], dt);
-  for (size_t i = 0; i < w.size(); ++i) wd[i] = kfuse::bits_to_float(w[i], dt);
-  std::vector<double> dx(dx_elems(p), 0.0);
-  covered->assign(size_t(p.n) * p.h * p.w, 0);
-  for (int n = 0; n < p.n; ++n)
-    for (int op = 0; op < P; ++op)
-      for (int oq = 0; oq < Q; ++oq)
-        for (int r = 0; r < p.r; ++r) {
-          const int y = op * p.stride_h + r - p.pad_h;
-          if (y < 0 || y >= p.h) continue;
-          for (int s = 0; s < p.s; ++s) {
-            const int x = oq * p.stride_w + s - p.pad_w;
-            if (x < 0 || x >= p.w) continue;
-            const size_t pixel = (size_t(n) * p.h + y) * p.w + x;
-            (*covered)[pixel] = 1;
-            double* dxs = &dx[pixel * p.c];
-            const double* dys = &dyd[((size_t(n) * P + op) * Q + oq) * p.k];
-            for (int k = 0; k < p.k; ++k) {
-              const double g = dys[k];
-              const double* ws = &wd[((size_t(k) * p.r + r) * p.s + s) * p.c];
-              for (int c = 0; c < p.c; ++c) dxs[c] += g * ws[c];
-            }
-          }
-        }
-  return dx;
-}
+size_t dx_elems(const Conv2dProblem& p) { return kfuse::testing::act_elems(p); }
+size_t w_elems(const Conv2dProblem& p) { return kfuse::testing::filter_elems(p); }
+size_t dy_elems(const Conv2dProblem& p) { return kfuse::testing::grad_elems(p); }
+using kfuse::testing::reference_dgrad;
 
 Conv2dProblem make_dgrad_problem(int n, int h, int w, int c, int k, int r, int s, int pad, int stride) {
   Conv2dProblem p;

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "conv_backward_reference.h"
 #include "gpu_test_support.h"
 
 #include <cmath>
@@ -50,39 +51,10 @@ const WgradVariant kWgradVariants[] = {
 
 std::string wgrad_skip_reason() { return kfuse::testing::device_skip_reason(8, 9, "the wgrad conv kernels"); }
 
-size_t act_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w * p.c; }
-size_t grad_elems(const Conv2dProblem& p) { return size_t(p.n) * p.p() * p.q() * p.k; }
-size_t filter_elems(const Conv2dProblem& p) { return size_t(p.k) * p.r * p.s * p.c; }
-
-// float64 weight gradient, NPQK (dy) x NHWC (x) -> KRSC, zero padding, cross-correlation.
-std::vector<double> reference_wgrad(const Conv2dProblem& p, const std::vector<uint16_t>& dy,
-                                    const std::vector<uint16_t>& x, ConvDType dt) {
-  const int P = p.p(), Q = p.q();
-  std::vector<double> dyd(dy.size()), xd(x.size());
-  for (size_t i = 0; i < dy.size(); ++i) dyd[i] = bits_to_float(dy[i], dt);
-  for (size_t i = 0; i < x.size(); ++i) xd[i] = bits_to_float(x[i], dt);
-  std::vector<double> dw(filter_elems(p), 0.0);
-  for (int n = 0; n < p.n; ++n)
-    for (int op = 0; op < P; ++op)
-      for (int oq = 0; oq < Q; ++oq) {
-        const double* g = &dyd[((size_t(n) * P + op) * Q + oq) * p.k];
-        for (int r = 0; r < p.r; ++r) {
-          const int ih = op * p.stride_h - p.pad_h + r;
-          if (ih < 0 || ih >= p.h) continue;
-          for (int s = 0; s < p.s; ++s) {
-            const int iw = oq * p.stride_w - p.pad_w + s;
-            if (iw < 0 || iw >= p.w) continue;
-            const double* xs = &xd[((size_t(n) * p.h + ih) * p.w + iw) * p.c];
-            for (int k = 0; k < p.k; ++k) {
-              const double gk = g[k];
-              double* d = &dw[((size_t(k) * p.r + r) * p.s + s) * p.c];
-              for (int ci = 0; ci < p.c; ++ci) d[ci] += gk * xs[ci];
-            }
-          }
-        }
-      }
-  return dw;
-}
+using kfuse::testing::act_elems;
+using kfuse::testing::filter_elems;
+using kfuse::testing::grad_elems;
+using kfuse::testing::reference_wgrad;
 
 Conv2dProblem wgrad_problem(int n, int h, int w, int c, int k, int r, int s, int pad, int stride) {
   Conv2dProblem p;

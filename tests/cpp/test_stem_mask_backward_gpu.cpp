@@ -98,6 +98,7 @@ struct MaskCase {
   int c, pitch;
   bool sum_dh, sum_d_pre;
   bool negative_b2a;
+  float scale = 0.0f;  // conv2's fixup_scale multiplying dh; 0: none (the scale pointer left null)
 };
 
 const MaskCase kMaskCases[] = {
@@ -109,6 +110,9 @@ const MaskCase kMaskCases[] = {
     {"p255_c128_sumdpre", 255, 128, 128, false, true, false},
     // More vectors (800 k) than the capped grid has threads x 2: several grid-stride iterations, a ragged end.
     {"p100003_c64_pitch128", 100003, 64, 128, true, true, false},
+    // dh scaled (the data gradient leaves conv2's scale to this kernel): d_pre = T(scale * dh), rounded.
+    {"p1000_c64_scale", 1000, 64, 64, true, true, false, 1.37f},
+    {"p257_c128_pitch256_scale", 257, 128, 256, true, true, true, 0.61f},
 };
 
 void PrintTo(const MaskCase& mc, std::ostream* os) { *os << mc.name; }
@@ -175,10 +179,11 @@ TEST_P(ReluMaskBackwardGpuTest, MatchesFloat64Reference) {
     for (int ch = 0; ch < mc.c; ++ch) {
       const size_t src = size_t(i) * mc.c + ch;
       const bool on = bits_to_float(d.h2[src], dt) > t;
-      const double v = bits_to_float(d.dh[src], dt);
-      ref_dh += v;
-      if (on) ref_pre += v, ++active;
-      expect[size_t(i) * mc.pitch + ch] = on ? d.dh[src] : uint16_t(0);
+      const float scaled = mc.scale != 0.0f ? mc.scale * bits_to_float(d.dh[src], dt) : bits_to_float(d.dh[src], dt);
+      const uint16_t stored = float_to_bits(scaled, dt);
+      ref_dh += double(scaled);
+      if (on) ref_pre += bits_to_float(stored, dt), ++active;
+      expect[size_t(i) * mc.pitch + ch] = on ? stored : uint16_t(0);
     }
   ASSERT_GT(active, 0u);
   ASSERT_LT(active, d.h2.size()) << "the mask must be mixed";
@@ -186,7 +191,7 @@ TEST_P(ReluMaskBackwardGpuTest, MatchesFloat64Reference) {
   DeviceBuffer ddh, dh2, db2a, dout, dsums, dws;
   ASSERT_NO_FATAL_FAILURE(upload(ddh, d.dh));
   ASSERT_NO_FATAL_FAILURE(upload(dh2, d.h2));
-  ASSERT_NO_FATAL_FAILURE(upload(db2a, std::vector<float>{d.b2a}));
+  ASSERT_NO_FATAL_FAILURE(upload(db2a, std::vector<float>{d.b2a, mc.scale}));
   std::vector<uint16_t> poison(expect.size(), kGapSentinel);  // NaN in [0, c) of each row, the sentinel past it
   for (int64_t i = 0; i < mc.pixels; ++i)
     for (int ch = 0; ch < mc.c; ++ch) poison[size_t(i) * mc.pitch + ch] = dt == ConvDType::kF16 ? 0x7e00 : 0x7fc0;
@@ -195,6 +200,7 @@ TEST_P(ReluMaskBackwardGpuTest, MatchesFloat64Reference) {
 
   ReluMaskBackwardArgs a;
   a.dh = ddh.ptr, a.h2 = dh2.ptr, a.b2a = db2a.as<float>();
+  a.scale = mc.scale != 0.0f ? db2a.as<float>() + 1 : nullptr;
   a.pixels = mc.pixels, a.c = mc.c;
   a.d_pre = dout.ptr, a.d_pre_pitch = mc.pitch;
   a.sum_dh = mc.sum_dh ? dsums.as<float>() + 0 : nullptr;
@@ -239,7 +245,7 @@ TEST_P(ReluMaskBackwardGpuTest, MatchesFloat64Reference) {
           ++gap_touched;
         }
       }
-    EXPECT_EQ(wrong, 0u) << "d_pre must be exactly the select of dh (bits)";
+    EXPECT_EQ(wrong, 0u) << "d_pre must be exactly the select of T(scale * dh) (bits)";
     EXPECT_EQ(gap_touched, 0u) << "channels [c, pitch) of d_pre rows were written";
     // Sums: fp32 per thread and per CTA, float64 across CTAs; the values have mean 0.25 (no cancellation).
     if (mc.sum_dh) {

@@ -55,16 +55,17 @@ cudaError_t launch_se_backward(const SeBackwardArgs& args, ConvDType dtype, void
 // as the forward's store rounded h2). Exact, because the forward's epilogue never rounds an active value to T(b2a)
 // (it stores the next value above instead: fixup_epilogue.h), except for b2a == 0, where h2 = T(v) and units with
 // 0 < v below T's smallest subnormal read as inactive (fp16: v < 3e-8), as PyTorch's fp16 ReLU would store them.
-//   d_pre[i][c] = h2[i][c] > T(*b2a) ? dh[i][c] : 0
+//   d_pre[i][c] = h2[i][c] > T(*b2a) ? T(scale * dh[i][c]) : 0,   sums over scale * dh and d_pre
 struct ReluMaskBackwardArgs {
-  const void* dh = nullptr;   // dL/dh2: [pixels][c] of T, densely packed
+  const void* dh = nullptr;   // dL/dh2 / scale: [pixels][c] of T, densely packed
+  const float* scale = nullptr; // device scalar multiplying dh (conv2's fixup_scale: dh is then conv2^T(d_o)), or null
   const void* h2 = nullptr;   // [pixels][c] of T, densely packed
   const float* b2a = nullptr; // device scalar
   int64_t pixels = 0;
   int c = 0;                  // multiple of 8
   void* d_pre = nullptr;      // out: [pixels] rows of c values of T at d_pre + i * d_pre_pitch (pitch >= c, % 8 == 0)
   int d_pre_pitch = 0;
-  float* sum_dh = nullptr;    // out, optional: sum of dh   (= dL/d fixup_bias2a)
+  float* sum_dh = nullptr;    // out, optional: sum of scale * dh   (= dL/d fixup_bias2a)
   float* sum_d_pre = nullptr; // out, optional: sum of d_pre (= dL/d fixup_bias1b)
 };
 size_t relu_mask_backward_workspace_bytes(const ReluMaskBackwardArgs& args);

@@ -1,5 +1,5 @@
-// Backward of conv1's epilogue h2 = relu(v) + b2a: d_pre = h2 > T(b2a) ? dh : 0, plus the optional full sums of dh
-// and d_pre (the gradients of fixup_bias2a and fixup_bias1b), in one memory-bound pass.
+// Backward of conv1's epilogue h2 = relu(v) + b2a: d_pre = h2 > T(b2a) ? scale * dh : 0, plus the optional full sums
+// of scale * dh and d_pre (the gradients of fixup_bias2a and fixup_bias1b), in one memory-bound pass.
 //
 // Design (reads 2 x 2 B and writes 2 B per element: ~200 MB and ~70 us at 3 TB/s for 2048 x 16 x 16 x 64):
 // - 16-byte vectors (8 channels; c % 8 == 0 keeps every row, and with d_pre_pitch % 8 == 0 every output row, 16-byte
@@ -32,9 +32,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCtas = 1056;
 constexpr int kVecsPerThread = 2;  // per grid-stride iteration
 
-// 8 channels: the select, and the two running sums.
+// 8 channels: the select of scale * dh, and the two running sums (of the scaled values). With scale 1 the select
+// copies dh exactly (T(1 * v) == v).
 template <class T>
-__device__ __forceinline__ uint4 mask8(uint4 dh, uint4 h2, float thr, float& s_dh, float& s_pre) {
+__device__ __forceinline__ uint4 mask8(uint4 dh, uint4 h2, float thr, float scale, float& s_dh, float& s_pre) {
   const uint32_t d[4] = {dh.x, dh.y, dh.z, dh.w};
   const uint32_t h[4] = {h2.x, h2.y, h2.z, h2.w};
   uint32_t o[4];
@@ -43,12 +44,12 @@ __device__ __forceinline__ uint4 mask8(uint4 dh, uint4 h2, float thr, float& s_d
     o[i] = 0u;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      const uint32_t db = (d[i] >> (16 * k)) & 0xffffu;
-      const float dv = bits_to_f<T>(db);
+      const float dv = scale * bits_to_f<T>((d[i] >> (16 * k)) & 0xffffu);
       s_dh += dv;
       if (bits_to_f<T>(h[i] >> (16 * k)) > thr) {  // false for NaN h2, as torch's (h2 > b2a) mask
+        const uint32_t db = t_bits<T>(to_t<T>(dv));
         o[i] |= db << (16 * k);
-        s_pre += dv;
+        s_pre += bits_to_f<T>(db);
       }
     }
   }
@@ -59,6 +60,7 @@ struct Params {
   const uint4* dh;
   const uint4* h2;
   const float* b2a;
+  const float* scale;   // or null (1)
   uint4* d_pre;
   uint32_t total;       // vectors: pixels * c / 8 (< 2^31)
   uint32_t row_vecs;    // c / 8
@@ -70,6 +72,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads, 8) relu_mask_kernel(const Params p) {
   __shared__ float red[2][kWarps];
   const float thr = to_f<T>(to_t<T>(__ldg(p.b2a)));  // b2a rounded to T, as the forward's store rounded h2
+  const float scale = p.scale ? __ldg(p.scale) : 1.0f;
   const uint32_t stride = gridDim.x * kThreads;
   float s_dh = 0.f, s_pre = 0.f;
   for (uint32_t v = blockIdx.x * kThreads + threadIdx.x; v < p.total; v += kVecsPerThread * stride) {
@@ -86,7 +89,7 @@ __global__ void __launch_bounds__(kThreads, 8) relu_mask_kernel(const Params p) 
     for (int j = 0; j < kVecsPerThread; ++j) {
       if (!ok[j]) continue;
       const uint32_t idx = v + j * stride, row = idx / p.row_vecs, chunk = idx - row * p.row_vecs;
-      p.d_pre[int64_t(row) * p.pitch_vecs + chunk] = mask8<T>(dh[j], h2[j], thr, s_dh, s_pre);
+      p.d_pre[int64_t(row) * p.pitch_vecs + chunk] = mask8<T>(dh[j], h2[j], thr, scale, s_dh, s_pre);
     }
   }
   if (p.part == nullptr) return;  // uniform
@@ -159,6 +162,7 @@ cudaError_t launch_relu_mask_backward(const ReluMaskBackwardArgs& a, ConvDType d
   p.dh = static_cast<const uint4*>(a.dh);
   p.h2 = static_cast<const uint4*>(a.h2);
   p.b2a = a.b2a;
+  p.scale = a.scale;
   p.d_pre = static_cast<uint4*>(a.d_pre);
   p.total = uint32_t(a.pixels * (a.c / 8));
   p.row_vecs = uint32_t(a.c / 8);

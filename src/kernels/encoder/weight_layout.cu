@@ -66,6 +66,11 @@ __device__ inline float block_sum(float v, float* smem) {
 }
 
 template <class T>
+__device__ __forceinline__ float grad_at(const GradJob& j, int64_t i) {
+  return j.g_is_t ? to_f<T>(static_cast<const T*>(j.g)[i]) : static_cast<const float*>(j.g)[i];
+}
+
+template <class T>
 __global__ void __launch_bounds__(kThreads) grad_finalize_kernel(const GradJob* jobs, float* partials) {
   __shared__ float smem[kThreads / 32];
   const GradJob j = jobs[blockIdx.y];
@@ -82,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) grad_finalize_kernel(const GradJob* 
       float* out = j.dst + i * rs_n;
       for (int64_t rs = 0; rs < rs_n; ++rs) {
         const int64_t gi = (k * rs_n + rs) * j.c + c;
-        const float g = j.g[gi];
+        const float g = grad_at<T>(j, gi);
         out[rs] = alpha * g;
         if (j.dot_w) dot += to_f<T>(static_cast<const T*>(j.dot_w)[gi]) * g;
       }
@@ -92,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) grad_finalize_kernel(const GradJob* 
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
       const int64_t c = i % j.c, k = i / j.c;
       float s = 0.f;
-      for (int t = 0; t < 9; ++t) s += j.g[(k * 9 + t) * j.c + c];
+      for (int t = 0; t < 9; ++t) s += grad_at<T>(j, (k * 9 + t) * j.c + c);
       j.dst[i] = s / 9.0f;
     }
   }

@@ -34,12 +34,14 @@ struct PackJob {
 // jobs: device array of `count` PackJob.
 cudaError_t launch_pack_params(const PackJob* jobs, int count, void* dst_base, ConvDType dtype, cudaStream_t stream);
 
-// One weight gradient from the kernels' fp32 KRSC sums into PyTorch's layout in the flat fp32 gradient buffer.
+// One weight gradient from the kernels' KRSC sums (fp32 from kfuse's CUTLASS wgrad, or T from cuDNN's: g_is_t)
+// into PyTorch's layout in the flat fp32 gradient buffer.
 //   kKcrs:   g [k][r][s][c] -> dst [k][c][r][s] * (alpha ? *alpha : 1); with `dot_w` (packed T [k][r][s][c]) also
 //            dst_dot = sum(dot_w * g) (the gradient of a scalar that multiplied the conv's output: fixup_scale)
 //   kPooled: g [k][3][3][c] -> dst [k][c] = sum over the 9 taps / 9
 struct GradJob {
-  const float* g = nullptr;
+  const void* g = nullptr;
+  int32_t g_is_t = 0;  // g holds T (the network's fp16 / bf16), else fp32
   float* dst = nullptr;
   const float* alpha = nullptr;
   const void* dot_w = nullptr;

@@ -1,0 +1,47 @@
+// cuDNN as a provider of backward convolutions (data and weight gradients), a candidate beside kfuse's CUTLASS
+// kernels in the tuner. cuDNN's Hopper kernels (sm90 xmma, warp-specialized) are what PyTorch and torch.compile run;
+// offering them to the tuner means kfuse is never slower than them on a convolution it leaves unfused.
+//
+// cuDNN is loaded at run time (dlopen of libcudnn.so.9 and its libcudnn_cnn.so.9 sibling): libkfuse has no link-time
+// dependency on it, and inside a PyTorch process it shares the copy PyTorch already loaded. Where it cannot be loaded
+// (no library, no GPU, no headers at build time) cudnn_available() says why and no cuDNN candidate is offered.
+//
+// Same problem convention as conv_backward.h: the FORWARD problem p, NHWC activations, KRSC filters, fp16 or bf16
+// storage with fp32 accumulation, cross-correlation, zero padding, dilation 1.
+//   dgrad: dx[n, h, w, c]  = sum dy * w  (as conv2d_dgrad), written in T
+//   wgrad: dw[k, r, s, c]  = sum dy * x  (as conv2d_wgrad), written in T (not fp32: cuDNN's legacy API stores the
+//          filter gradient in the filter's type, as PyTorch's fp16 / bf16 convolutions do)
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "kernels/conv/conv_fixup.h"  // ConvDType
+#include "kernels/conv/conv_problem.h"
+
+namespace kfuse::kernels {
+
+enum class CudnnConvOp { kDgrad, kWgrad };
+
+// Whether cuDNN 9 could be loaded and a handle created on the current device; `why` receives the reason if not.
+bool cudnn_available(std::string* why = nullptr);
+
+// The algorithms cuDNN's heuristic offers for the problem (its order, at most `max_count`), each supported with a
+// workspace of at most `max_workspace` bytes. Empty when cuDNN is unavailable or supports none.
+std::vector<int> cudnn_conv_algorithms(CudnnConvOp op, const Conv2dProblem& p, ConvDType dtype, int max_count = 3,
+                                       size_t max_workspace = size_t(1) << 30);
+
+// Device workspace of one algorithm (0 if none); SIZE_MAX when the algorithm does not support the problem.
+size_t cudnn_conv_workspace_bytes(CudnnConvOp op, const Conv2dProblem& p, ConvDType dtype, int algo);
+
+// Asynchronous on `stream`. cudaErrorInvalidValue without launching for null pointers or a workspace that is too
+// small, cudaErrorNotSupported when cuDNN is unavailable or rejects the call.
+cudaError_t cudnn_conv_dgrad(const Conv2dProblem& p, ConvDType dtype, int algo, const void* dy, const void* w,
+                             void* dx, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+cudaError_t cudnn_conv_wgrad(const Conv2dProblem& p, ConvDType dtype, int algo, const void* dy, const void* x,
+                             void* dw, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace kfuse::kernels

@@ -1,0 +1,142 @@
+#include "runtime/op_tuning.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "kfuse/device.h"
+#include "kfuse/error.h"
+#include "runtime/cuda_check.h"
+#include "runtime/half_bits.h"
+
+namespace kfuse {
+
+TuningKey device_tuning_key(const std::string& op, const std::string& shape, kernels::ConvDType dtype,
+                            const std::vector<std::string>& names) {
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  const DeviceInfo info = cuda_device_info(dev);
+  TuningKey key;
+  key.device = info.name;
+  key.sm_count = info.sm_count;
+  key.cuda_runtime = info.runtime_version;
+  key.driver = info.driver_version;
+  key.op = op;
+  key.shape = shape;
+  key.dtype = dtype == kernels::ConvDType::kF16 ? "f16" : "bf16";
+  key.layout = "nhwc_krsc";
+  key.candidates = candidate_set_checksum(names);
+  return key;
+}
+
+OpTuningReport tuning_report(const TuningKey& key, const std::vector<std::string>& names, const TuningResult& r,
+                             const TuningCache& cache) {
+  OpTuningReport row;
+  row.op = key.op;
+  row.shape = key.shape;
+  row.dtype = key.dtype;
+  row.default_choice = names[0];
+  row.choice = names[r.chosen];
+  row.from_cache = r.from_cache;
+  if (!r.candidates.empty()) {
+    row.default_ms = r.candidates[0].median_ms;
+    row.tuned_ms = r.candidates[r.chosen].median_ms;
+    row.spread_ms = r.candidates[r.chosen].max_ms - r.candidates[r.chosen].min_ms;
+    row.candidates = r.candidates;
+  } else if (r.from_cache) {
+    if (const auto c = cache.get(key)) {
+      row.default_ms = c->default_ms;
+      row.tuned_ms = c->median_ms;
+      row.spread_ms = c->spread_ms;
+    }
+  }
+  return row;
+}
+
+void upload_random(void* dst, size_t elems, float scale, kernels::ConvDType dtype, uint32_t seed) {
+  std::vector<uint16_t> h(elems);
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  for (auto& v : h) v = float_to_bits(u(gen), dtype);
+  check_cuda(cudaMemcpy(dst, h.data(), 2 * elems, cudaMemcpyHostToDevice), "cudaMemcpy (tuning inputs)");
+}
+
+CandidateTimer::Poison poison_fn(void* out, size_t bytes) {
+  return [out, bytes](size_t, cudaStream_t stream) {
+    check_cuda(cudaMemsetAsync(out, 0xff, bytes, stream), "cudaMemset (tuning)");
+  };
+}
+
+CandidateTimer::Read read_t_fn(const void* out, size_t elems, kernels::ConvDType dtype) {
+  return [out, elems, dtype](size_t, cudaStream_t stream) {
+    std::vector<uint16_t> bits(elems);
+    check_cuda(cudaMemcpyAsync(bits.data(), out, 2 * elems, cudaMemcpyDeviceToHost, stream), "cudaMemcpy (tuning)");
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (tuning)");
+    std::vector<double> v(elems);
+    for (size_t i = 0; i < elems; ++i) v[i] = bits_to_float(bits[i], dtype);
+    return v;
+  };
+}
+
+CandidateTimer::Read read_f32_fn(const void* out, size_t elems) {
+  return [out, elems](size_t, cudaStream_t stream) {
+    std::vector<float> f(elems);
+    check_cuda(cudaMemcpyAsync(f.data(), out, 4 * elems, cudaMemcpyDeviceToHost, stream), "cudaMemcpy (tuning)");
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (tuning)");
+    return std::vector<double>(f.begin(), f.end());
+  };
+}
+
+CandidateTimer::CandidateTimer(Launch launch, Poison poison, Read read, double rel_tol)
+    : launch_(std::move(launch)), poison_(std::move(poison)), read_(std::move(read)), rel_tol_(rel_tol) {
+  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate (tuning)");
+  if (cudaEventCreate(&start_) != cudaSuccess || cudaEventCreate(&stop_) != cudaSuccess) {
+    this->~CandidateTimer();
+    throw Error("kfuse: cudaEventCreate failed (tuning)");
+  }
+}
+
+CandidateTimer::~CandidateTimer() {
+  if (start_) cudaEventDestroy(start_);
+  if (stop_) cudaEventDestroy(stop_);
+  if (stream_) cudaStreamDestroy(stream_);
+  start_ = stop_ = nullptr;
+  stream_ = nullptr;
+}
+
+double CandidateTimer::measure(size_t i) {
+  auto elapsed = [&] {
+    check_cuda(cudaEventSynchronize(stop_), "cudaEventSynchronize (tuning)");
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, start_, stop_), "cudaEventElapsedTime (tuning)");
+    return ms;
+  };
+  if (ref_.empty() && i == 0) {
+    poison_(0, stream_);
+    launch_(0, stream_);
+    ref_ = read_(0, stream_);
+    check_cuda(cudaEventRecord(start_, stream_), "cudaEventRecord");
+    launch_(0, stream_);
+    check_cuda(cudaEventRecord(stop_, stream_), "cudaEventRecord");
+    reps_ = std::clamp(int(std::ceil(0.1 / std::max(elapsed(), 1e-4f))), 1, 50);
+  }
+  if (i != 0) poison_(i, stream_);
+  check_cuda(cudaEventRecord(start_, stream_), "cudaEventRecord");
+  for (int r = 0; r < reps_; ++r) launch_(i, stream_);
+  check_cuda(cudaEventRecord(stop_, stream_), "cudaEventRecord");
+  return double(elapsed()) / reps_;
+}
+
+bool CandidateTimer::check(size_t i) {
+  const std::vector<double> out = read_(i, stream_);
+  if (out.size() != ref_.size()) return false;
+  double num = 0, den = 0;
+  for (size_t j = 0; j < out.size(); ++j) {
+    if (!std::isfinite(out[j])) return false;
+    num += (out[j] - ref_[j]) * (out[j] - ref_[j]);
+    den += ref_[j] * ref_[j];
+  }
+  return std::sqrt(num) <= rel_tol_ * std::sqrt(den) + 1e-30;
+}
+
+}  // namespace kfuse

@@ -1,0 +1,84 @@
+// float64 references of the backward convolutions (conv_backward.h conventions: the FORWARD problem p, NHWC
+// activations, KRSC filters, NPQK output gradients), shared by the GPU tests of every backward kernel.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/conv/conv_fixup.h"
+#include "kernels/conv/conv_problem.h"
+#include "runtime/half_bits.h"
+
+namespace kfuse::testing {
+
+using kernels::Conv2dProblem;
+using kernels::ConvDType;
+
+inline size_t act_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w * p.c; }
+inline size_t grad_elems(const Conv2dProblem& p) { return size_t(p.n) * p.p() * p.q() * p.k; }
+inline size_t filter_elems(const Conv2dProblem& p) { return size_t(p.k) * p.r * p.s * p.c; }
+
+// float64 weight gradient, NPQK (dy) x NHWC (x) -> KRSC, zero padding, cross-correlation.
+inline std::vector<double> reference_wgrad(const Conv2dProblem& p, const std::vector<uint16_t>& dy,
+                                    const std::vector<uint16_t>& x, ConvDType dt) {
+  const int P = p.p(), Q = p.q();
+  std::vector<double> dyd(dy.size()), xd(x.size());
+  for (size_t i = 0; i < dy.size(); ++i) dyd[i] = bits_to_float(dy[i], dt);
+  for (size_t i = 0; i < x.size(); ++i) xd[i] = bits_to_float(x[i], dt);
+  std::vector<double> dw(filter_elems(p), 0.0);
+  for (int n = 0; n < p.n; ++n)
+    for (int op = 0; op < P; ++op)
+      for (int oq = 0; oq < Q; ++oq) {
+        const double* g = &dyd[((size_t(n) * P + op) * Q + oq) * p.k];
+        for (int r = 0; r < p.r; ++r) {
+          const int ih = op * p.stride_h - p.pad_h + r;
+          if (ih < 0 || ih >= p.h) continue;
+          for (int s = 0; s < p.s; ++s) {
+            const int iw = oq * p.stride_w - p.pad_w + s;
+            if (iw < 0 || iw >= p.w) continue;
+            const double* xs = &xd[((size_t(n) * p.h + ih) * p.w + iw) * p.c];
+            for (int k = 0; k < p.k; ++k) {
+              const double gk = g[k];
+              double* d = &dw[((size_t(k) * p.r + r) * p.s + s) * p.c];
+              for (int ci = 0; ci < p.c; ++ci) d[ci] += gk * xs[ci];
+            }
+          }
+        }
+      }
+  return dw;
+}
+
+// float64 data gradient, scattered from every (n, p, q, r, s) tap into the input pixel it reads in the forward conv.
+// covered[n, y, x] says whether any tap reaches the pixel (dx must be exactly 0 where none does).
+inline std::vector<double> reference_dgrad(const Conv2dProblem& p, const std::vector<uint16_t>& dy,
+                                    const std::vector<uint16_t>& w, ConvDType dt, std::vector<char>* covered) {
+  const int P = p.p(), Q = p.q();
+  std::vector<double> dyd(dy.size()), wd(w.size());
+  for (size_t i = 0; i < dy.size(); ++i) dyd[i] = bits_to_float(dy[i], dt);
+  for (size_t i = 0; i < w.size(); ++i) wd[i] = bits_to_float(w[i], dt);
+  std::vector<double> dx(act_elems(p), 0.0);
+  covered->assign(size_t(p.n) * p.h * p.w, 0);
+  for (int n = 0; n < p.n; ++n)
+    for (int op = 0; op < P; ++op)
+      for (int oq = 0; oq < Q; ++oq)
+        for (int r = 0; r < p.r; ++r) {
+          const int y = op * p.stride_h + r - p.pad_h;
+          if (y < 0 || y >= p.h) continue;
+          for (int s = 0; s < p.s; ++s) {
+            const int x = oq * p.stride_w + s - p.pad_w;
+            if (x < 0 || x >= p.w) continue;
+            const size_t pixel = (size_t(n) * p.h + y) * p.w + x;
+            (*covered)[pixel] = 1;
+            double* dxs = &dx[pixel * p.c];
+            const double* dys = &dyd[((size_t(n) * P + op) * Q + oq) * p.k];
+            for (int k = 0; k < p.k; ++k) {
+              const double g = dys[k];
+              const double* ws = &wd[((size_t(k) * p.r + r) * p.s + s) * p.c];
+              for (int c = 0; c < p.c; ++c) dxs[c] += g * ws[c];
+            }
+          }
+        }
+  return dx;
+}
+
+}  // namespace kfuse::testing
