@@ -60,6 +60,10 @@ class EncoderGpu {
   using TuneProgress = std::function<void(size_t done, size_t total, const OpTuningReport& row)>;
   std::vector<OpTuningReport> tune(int n, int h, int w, TuningMode mode = TuningMode::kRetune,
                                    const TuneProgress& progress = nullptr);
+  // The same for the training step: the forward's convolutions, then per block the backward's weight and data
+  // gradients (ops conv2d_wgrad / conv2d_dgrad, with cuDNN's algorithms among the candidates).
+  std::vector<OpTuningReport> tune_training(int n, int h, int w, TuningMode mode = TuningMode::kRetune,
+                                            const TuneProgress& progress = nullptr);
 
   // --- training step (forward + backward; encoder_train.cpp) ---------------------------------------------------
   // Packs the parameters straight from device memory in PyTorch's layouts (what an optimizer holds), asynchronously

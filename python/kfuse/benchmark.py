@@ -382,12 +382,13 @@ def tune_main(args) -> int:
     for c in args.channels:
         enc = ResNetEncoder.default_network(in_channels=c).cuda().to(dtype).eval()
         meta = dict(environment_meta(args.batch[0], args.dtype), channels=c, network=f"resnet-c{c}",
-                    mode=args.mode, batches=args.batch, size=[h, w])
+                    mode=args.mode, batches=args.batch, train_batches=getattr(args, "train_batch", []), size=[h, w])
         rows = []
         t0 = time.perf_counter()
-        for n in args.batch:
-            print(f"[tune] resnet C={c} N={n} {h}x{w} {args.dtype}")
-            for r in enc.tune(n, h, w, mode=args.mode):
+        runs = [(n, False) for n in args.batch] + [(n, True) for n in getattr(args, "train_batch", [])]
+        for n, training in runs:
+            print(f"[tune] resnet C={c} N={n} {h}x{w} {args.dtype}{' training step' if training else ''}")
+            for r in enc.tune(n, h, w, mode=args.mode, training=training):
                 rows.append({k: r[k] for k in ("op", "shape", "default_ms", "cudnn_ms", "tuned_ms", "spread_ms")} |
                             {"choice": r["choice"], "default": r["default"], "from_cache": r["from_cache"],
                              "candidates": r["candidates"]})

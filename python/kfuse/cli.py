@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("tune", help="tune every kernel of the default network on the GPU and cache the choices")
     p.add_argument("--channels", type=int, nargs="+", default=[3], help="input channels (default: 3)")
     p.add_argument("--batch", type=int, nargs="+", default=[128], help="batch sizes to tune (default: 128)")
+    p.add_argument("--train-batch", type=int, nargs="*", default=[2048],
+                   help="batch sizes whose training step (forward and backward convolutions) to tune "
+                        "(default: 2048; none: inference only)")
     p.add_argument("--size", type=int, nargs=2, default=[64, 64], metavar=("H", "W"), help="image size (64 64)")
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     p.add_argument("--mode", choices=["retune", "on"], default="retune",

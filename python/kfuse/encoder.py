@@ -295,12 +295,14 @@ class ResNetEncoder(reference.ResNetEncoder):
 
     # -- tuning ----------------------------------------------------------------------------------------------------
     def tune(self, batch: int = 128, height: int = 64, width: int = 64, mode: str = "retune",
-             device: torch.device | str | None = None, verbose: bool = True) -> list[dict]:
+             device: torch.device | str | None = None, verbose: bool = True, training: bool = False) -> list[dict]:
         """Times every candidate kernel of every convolution of this network at (batch, height, width) on the GPU
         and keeps the fastest correct one (kfuse's autotuner); choices persist in the tuning cache
         ($KFUSE_CACHE_DIR, else ~/.cache/kfuse), so later processes start tuned. mode: 'retune' (time again) or
-        'on' (reuse cached choices). Returns one dict per convolution: op, shape, default and chosen kernel, their
-        median times (ms) and the spread; prints a table when verbose."""
+        'on' (reuse cached choices). training=True also tunes the training step's backward convolutions (weight and
+        data gradients, cuDNN's algorithms among the candidates). Returns one dict per convolution: op, shape, default
+        and chosen kernel, their median times (ms), the spread and cuDNN's best time where cuDNN is a candidate;
+        prints a table when verbose."""
         if mode not in ("on", "retune"):
             raise ValueError(f"mode must be 'on' or 'retune', got {mode!r}")
         device = torch.device(device) if device is not None else self.stem[1].weight.device
@@ -318,7 +320,7 @@ class ResNetEncoder(reference.ResNetEncoder):
                 print(f"\r[kfuse tune] [{bar:<20}] {done}/{total} {row['shape']}", end="" if done < total else "\n",
                       flush=True)
 
-        rows = gpu.tune(batch, height, width, mode, progress)
+        rows = gpu.tune(batch, height, width, mode, progress, training)
         if verbose:
             print(format_tuning_table(rows))
         return rows

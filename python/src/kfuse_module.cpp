@@ -336,7 +336,7 @@ NB_MODULE(_C, m) {
       .def("set_tuning_mode", [](EncoderGpu& e, const std::string& mode) { e.set_tuning_mode(parse_tuning_mode(mode)); },
            "mode"_a, "'off' (heuristic), 'on' (tune new shapes on first use, cached) or 'retune'")
       .def("tune",
-           [](EncoderGpu& e, int n, int h, int w, const std::string& mode, nb::object progress) {
+           [](EncoderGpu& e, int n, int h, int w, const std::string& mode, nb::object progress, bool training) {
              EncoderGpu::TuneProgress cb;
              if (!progress.is_none())
                cb = [&](size_t done, size_t total, const OpTuningReport& row) {
@@ -346,14 +346,16 @@ NB_MODULE(_C, m) {
              std::vector<OpTuningReport> rows;
              {
                nb::gil_scoped_release release;
-               rows = e.tune(n, h, w, parse_tuning_mode(mode), cb);
+               rows = training ? e.tune_training(n, h, w, parse_tuning_mode(mode), cb)
+                               : e.tune(n, h, w, parse_tuning_mode(mode), cb);
              }
              nb::list out;
              for (const auto& r : rows) out.append(report_dict(r));
              return out;
            },
-           "n"_a, "h"_a, "w"_a, "mode"_a = "retune", "progress"_a = nb::none(),
-           "Tunes every convolution of the (N, H, W) geometry; one dict per convolution")
+           "n"_a, "h"_a, "w"_a, "mode"_a = "retune", "progress"_a = nb::none(), "training"_a = false,
+           "Tunes every convolution of the (N, H, W) geometry (training: also the backward's weight and data "
+           "gradients); one dict per convolution")
       .def("set_weights_device",
            [](EncoderGpu& e, const std::vector<uintptr_t>& ptrs, const std::string& dtype, uintptr_t stream) {
              KFUSE_CHECK(dtype == "float32" || dtype == "float16" || dtype == "bfloat16", InvalidArgument,

@@ -175,25 +175,37 @@ DgradChoice dgrad_for(const EncoderGpu::Impl& m, const TrainingState& t, const C
                                     : dgrad_heuristic(p, m.dtype, m.choose(flipped_forward_problem(p), false));
 }
 
-// Tunes geometry g's backward convolutions on first use, as the tuning mode says (never inside a stream capture):
-// per block the weight gradients of conv2 and conv1 [+ shortcut] and the data gradients of both.
+// Tunes geometry g's backward convolutions (per block the weight gradients of conv2 and conv1 [+ shortcut] and the
+// data gradients of both), appending one report row per op.
+void tune_backward(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g, TuningMode mode,
+                   const EncoderGpu::TuneProgress& progress, std::vector<OpTuningReport>& rows) {
+  if (!t.tuning_scratch) t.tuning_scratch = std::make_unique<BackwardConvTuningScratch>();
+  if (!m.tuning_cache) m.tuning_cache = std::make_unique<TuningCache>();
+  const std::vector<BlockProblems> probs = geometry_problems(m, g);
+  const size_t total = rows.size() + 4 * probs.size();
+  for (const BlockProblems& bp : probs) {
+    for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1_cat}) {
+      OpTuningReport row;
+      t.wgrad_choice[conv_shape_key(*p)] = t.tuning_scratch->tune_wgrad(*p, m.dtype, *m.tuning_cache, mode, row);
+      rows.push_back(row);
+      if (progress) progress(rows.size(), total, row);
+      t.dgrad_choice[conv_shape_key(*p)] = t.tuning_scratch->tune_dgrad(
+          *p, m.dtype, m.choose(flipped_forward_problem(*p), false), *m.tuning_cache, mode, row);
+      rows.push_back(row);
+      if (progress) progress(rows.size(), total, row);
+    }
+  }
+  t.backward_tuned.insert(g);
+}
+
+// Tunes on first use, as the tuning mode says (never inside a stream capture).
 void tune_backward_on_first_use(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g, cudaStream_t stream) {
   if (t.backward_tuned.count(g) || m.tuning_mode == TuningMode::kOff) return;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
   if (capture != cudaStreamCaptureStatusNone) return;
-  if (!t.tuning_scratch) t.tuning_scratch = std::make_unique<BackwardConvTuningScratch>();
-  if (!m.tuning_cache) m.tuning_cache = std::make_unique<TuningCache>();
-  for (const BlockProblems& bp : geometry_problems(m, g)) {
-    for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1_cat}) {
-      OpTuningReport row;
-      t.wgrad_choice[conv_shape_key(*p)] =
-          t.tuning_scratch->tune_wgrad(*p, m.dtype, *m.tuning_cache, m.tuning_mode, row);
-      t.dgrad_choice[conv_shape_key(*p)] = t.tuning_scratch->tune_dgrad(
-          *p, m.dtype, m.choose(flipped_forward_problem(*p), false), *m.tuning_cache, m.tuning_mode, row);
-    }
-  }
-  t.backward_tuned.insert(g);
+  std::vector<OpTuningReport> rows;
+  tune_backward(m, t, g, m.tuning_mode, nullptr, rows);
 }
 
 TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g) {
@@ -350,6 +362,17 @@ uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensor
   tb.stash = t.next_stash++;
   tb.y_dtype = y.dtype;
   return tb.stash;
+}
+
+std::vector<OpTuningReport> EncoderGpu::tune_training(int n, int h, int w, TuningMode mode,
+                                                      const TuneProgress& progress) {
+  Impl& m = *impl_;
+  check_trainable(m);
+  if (mode == TuningMode::kOff) mode = TuningMode::kOnFirstUse;
+  std::vector<OpTuningReport> rows = tune(n, h, w, mode, progress);
+  Impl::Device scope(m.device);
+  tune_backward(m, training(m), Geometry{n, h, w}, mode, progress, rows);
+  return rows;
 }
 
 bool EncoderGpu::stash_valid(uint64_t stash) const {

@@ -43,6 +43,8 @@ OpTuningReport tuning_report(const TuningKey& key, const std::vector<std::string
     row.tuned_ms = r.candidates[r.chosen].median_ms;
     row.spread_ms = r.candidates[r.chosen].max_ms - r.candidates[r.chosen].min_ms;
     row.candidates = r.candidates;
+    for (const CandidateReport& c : r.candidates)  // cuDNN's best where it is a candidate
+      if (c.name.rfind("cudnn", 0) == 0 && !c.rejected && !(c.median_ms >= row.cudnn_ms)) row.cudnn_ms = c.median_ms;
   } else if (r.from_cache) {
     if (const auto c = cache.get(key)) {
       row.default_ms = c->default_ms;
