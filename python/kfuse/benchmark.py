@@ -366,6 +366,10 @@ def run_gpu(args) -> int:
         summaries.append((f"resnet-infer C={c} N={batch} ({path})", rows))
     if args.workload in ("resnet-train", "all"):
         summaries += run_train(args, meta_dev, out_dir)
+    if args.workload in ("mlp", "all"):
+        from .bench_mlp import run_mlp  # the fused-MLP workload (bench-protocol.md: mlp)
+
+        summaries += run_mlp(args, meta_dev, out_dir)
     for title, rows in summaries:
         print_table(title, rows)
     return 0

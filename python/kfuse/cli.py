@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("bench", help="run the benchmark (bench-protocol workloads; CPU reference without a GPU)")
-    p.add_argument("--workload", default="all", choices=["resnet-infer", "resnet-train", "all"],
+    p.add_argument("--workload", default="all", choices=["resnet-infer", "resnet-train", "mlp", "all"],
                    help="which workload to run on a GPU (default: %(default)s)")
     p.add_argument("--channels", type=int, nargs="+", default=[3, 1], help="input channels to run (default: 3 1)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: 128 on a GPU, 2 on the CPU)")

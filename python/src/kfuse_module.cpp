@@ -228,6 +228,8 @@ nb::dict report_dict(const OpTuningReport& r) {
 }  // namespace kfuse
 #endif
 
+void bind_mlp(nanobind::module_& m);  // mlp_bindings.cpp: the generated fused MLP
+
 NB_MODULE(_C, m) {
   using namespace kfuse;
   m.doc() = "kfuse C++ core (CPU reference, checkpoints, device queries, kernels)";
@@ -398,6 +400,7 @@ NB_MODULE(_C, m) {
       .def_prop_ro("graph_count", &EncoderGpu::graph_count);
 #endif
 
+  bind_mlp(m);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("compiled_architectures", &compiled_architectures);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <random>
 
+#include "kernels/timing/gpu_delay.h"
 #include "kfuse/device.h"
 #include "kfuse/error.h"
 #include "runtime/cuda_check.h"
@@ -106,6 +107,11 @@ CandidateTimer::~CandidateTimer() {
   stream_ = nullptr;
 }
 
+namespace {
+// Longer than the host needs to enqueue one measurement's `reps` launches (a cuDNN call: ~10-50 us on the host).
+uint32_t delay_us(int reps) { return uint32_t(std::min(100 + 40 * reps, 2100)); }
+}  // namespace
+
 double CandidateTimer::measure(size_t i) {
   auto elapsed = [&] {
     check_cuda(cudaEventSynchronize(stop_), "cudaEventSynchronize (tuning)");
@@ -117,12 +123,15 @@ double CandidateTimer::measure(size_t i) {
     poison_(0, stream_);
     launch_(0, stream_);
     ref_ = read_(0, stream_);
+    check_cuda(kernels::launch_gpu_delay(stream_, delay_us(1)), "GPU delay kernel (tuning)");
     check_cuda(cudaEventRecord(start_, stream_), "cudaEventRecord");
     launch_(0, stream_);
     check_cuda(cudaEventRecord(stop_, stream_), "cudaEventRecord");
     reps_ = std::clamp(int(std::ceil(0.1 / std::max(elapsed(), 1e-4f))), 1, 50);
   }
   if (i != 0) poison_(i, stream_);
+  // GPU time only: the delay lets the host enqueue every launch before the GPU reaches the start event.
+  check_cuda(kernels::launch_gpu_delay(stream_, delay_us(reps_)), "GPU delay kernel (tuning)");
   check_cuda(cudaEventRecord(start_, stream_), "cudaEventRecord");
   for (int r = 0; r < reps_; ++r) launch_(i, stream_);
   check_cuda(cudaEventRecord(stop_, stream_), "cudaEventRecord");

@@ -4,7 +4,9 @@
 // Every op tuned on scratch buffers (forward and backward convolutions) measures the same way:
 // - candidate 0 (the op's default, the reference) runs first on a poisoned output; its result is the reference;
 // - one measurement is `reps` back-to-back runs between two CUDA events (reps sized on the reference to ~100 us, so
-//   that the events' resolution and launch gaps do not dominate), the time per run returned;
+//   that the events' resolution and launch gaps do not dominate), the time per run returned; a GPU-side delay
+//   precedes the first event so that the launches' host-side work (cuDNN plans on the host) is not timed: in the
+//   training step the GPU is busy while the host enqueues, so only GPU time counts;
 // - check(i) compares candidate i's latest output with the reference: normwise relative difference <= rel_tol, and
 //   every value finite (the output is poisoned with NaN before each measurement, so an unwritten element fails).
 #pragma once

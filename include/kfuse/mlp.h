@@ -1,0 +1,155 @@
+// Fully fused MLPs generated at run time: the network description (MlpSpec: widths, activations, biases, dtype),
+// the activations (a built-in table or user CUDA expressions) and the GPU object (FusedMlp) that writes CUDA source
+// specialized to one spec, compiles it with NVRTC for the device (cached on disk), loads it through the driver API
+// and runs forward, training forward and backward on the caller's stream.
+//
+// Layouts (all row-major, contiguous, 16-byte aligned device memory; dtype = spec.dtype unless said otherwise):
+//   x (batch, input_width), y (batch, output_width), dy like y, dx like x;
+//   weights of layer l: PyTorch's nn.Linear layout (out_l, in_l); biases (out_l);
+//   gradients: one float32 vector, per layer its weight gradient (out_l * in_l) then, when the layer has a bias,
+//   its bias gradient (out_l): nn.Sequential's parameter order.
+// The C++ core does not depend on PyTorch; the Python module kfuse.FusedMLP allocates every buffer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+struct CUstream_st;
+
+namespace kfuse {
+
+// An element-wise activation as CUDA C++ float expressions: `expression` of x (the pre-activation), `derivative`
+// of x and/or y (y = the activation's value). The generated code keeps for backward only what the derivative uses
+// (y: the layer's output, which is stored anyway; x: the pre-activation, stored in addition).
+struct Activation {
+  std::string name;
+  std::string expression;
+  std::string derivative;
+
+  bool derivative_uses_x() const;
+  bool derivative_uses_y() const;
+  bool is_identity() const { return name == "identity"; }
+  // Checks the text (an identifier-like name, single expressions without ';', '{', '}', '#'); throws
+  // InvalidArgument. Whether it compiles is checked by validate_activation (NVRTC).
+  void check_syntax() const;
+};
+
+// relu, leaky_relu (alpha = negative slope, default 0.01), sigmoid, tanh, silu, gelu (tanh form), softplus (alpha =
+// beta, default 1; PyTorch's threshold 20), identity; alpha NaN = the default. Throws InvalidArgument naming the known ones otherwise.
+Activation builtin_activation(const std::string& name, double alpha = std::numeric_limits<double>::quiet_NaN());
+std::vector<std::string> builtin_activation_names();
+// A user-defined activation; checks the syntax and compiles the two expressions with NVRTC (a compile error
+// throws InvalidArgument naming the activation and the expression, quoting NVRTC's log). Needs a CUDA build.
+Activation user_activation(const std::string& name, const std::string& expression, const std::string& derivative);
+void validate_activation(const Activation& activation);
+
+enum class MlpDType { kFloat16, kBFloat16 };
+const char* mlp_dtype_name(MlpDType d);  // "float16" / "bfloat16"
+
+// Layers: input_width -> hidden_widths[0] -> ... -> hidden_widths.back() -> output_width, each an affine map (with or
+// without bias) followed by an activation: activations[i] after hidden layer i, output_activation after the last.
+struct MlpSpec {
+  int input_width = 0;
+  std::vector<int> hidden_widths;
+  int output_width = 0;
+  std::vector<Activation> activations;  // one per hidden layer
+  Activation output_activation;          // default: identity
+  std::vector<bool> bias;                // one per layer (hidden + output); empty = all true
+  MlpDType dtype = MlpDType::kFloat16;
+
+  static constexpr int kMaxWidth = 256;        // hidden widths: multiples of 16 up to this
+  static constexpr int kMaxIoWidth = 256;      // input and output widths: 1 .. this (padded to 16 inside)
+  static constexpr int kMaxHiddenLayers = 15;
+
+  // Throws InvalidArgument naming the problem (width not a multiple of 16, > 256, wrong count of activations, ...).
+  void validate() const;
+  int num_layers() const { return static_cast<int>(hidden_widths.size()) + 1; }
+  int layer_in(int l) const;   // true widths
+  int layer_out(int l) const;
+  int layer_in_padded(int l) const;  // multiples of 16
+  int layer_out_padded(int l) const;
+  bool has_bias(int l) const;
+  const Activation& layer_activation(int l) const;
+  // Weight then bias element counts in nn.Sequential order: the gradient vector's length.
+  int64_t num_parameters() const;
+  std::string to_string() const;
+};
+
+// A kernel variant: how rows are tiled and where the weights live. FusedMlp takes one explicitly or uses the
+// heuristic default (mlp_default_variant); mlp_candidate_variants is the set an autotuner times.
+struct MlpVariant {
+  int m_tiles = 1;            // 16-row MMA tiles per warp (1 or 2): rows per warp = 16 * m_tiles
+  int warps = 4;              // warps per CTA: rows per CTA = 16 * m_tiles * warps
+  bool weights_resident = true;  // all layers' weights in shared memory for the CTA's life (persistent CTAs);
+                                 // otherwise streamed through two shared-memory buffers in k-chunks
+  int k_chunk = 64;           // columns per streamed chunk (multiple of 16); ignored when resident
+
+  std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64"
+  int rows_per_cta() const { return 16 * m_tiles * warps; }
+  bool operator==(const MlpVariant&) const = default;
+};
+
+// Shared memory (bytes) a variant needs for its forward and backward kernels.
+size_t mlp_forward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
+size_t mlp_backward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
+// The variants worth trying for a spec on a device with `smem_optin` bytes of shared memory per block (the
+// default first); the heuristic default alone is mlp_default_variant.
+std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin);
+MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin);
+
+// How a FusedMlp got its kernels: compile time and whether the binary came from the disk cache.
+struct MlpBuildInfo {
+  std::string cache_file;
+  bool from_disk_cache = false;
+  bool from_memory = false;   // another FusedMlp of this process had loaded the same binary
+  double compile_seconds = 0;  // NVRTC (0 when cached)
+  double load_seconds = 0;     // cache read + driver module load
+  std::string arch;            // e.g. "sm_90"
+};
+
+// The fused MLP on one CUDA device. Construction generates, compiles (or finds in the cache) and loads the kernels;
+// throws Unsupported without a CUDA device of compute capability >= 8.0 and InvalidArgument for invalid specs.
+// Every call is asynchronous on `stream` (a cudaStream_t; nullptr = the legacy default stream). The forward kernels
+// are compiled (or loaded) by the constructor; the backward kernels on a helper thread from then on, loaded by the
+// first backward().
+class FusedMlp {
+ public:
+  using Stream = CUstream_st*;
+  FusedMlp(const MlpSpec& spec, int device = 0);
+  FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant);
+  ~FusedMlp();
+  FusedMlp(const FusedMlp&) = delete;
+  FusedMlp& operator=(const FusedMlp&) = delete;
+
+  const MlpSpec& spec() const;
+  const MlpVariant& variant() const;
+  const MlpBuildInfo& build_info() const;
+  int device() const;
+
+  // Device buffers the caller allocates (16-byte aligned).
+  size_t packed_weights_bytes() const;                 // the kernels' weight layout (both orientations) + biases
+  size_t stash_bytes(int64_t batch) const;             // what forward_train keeps for backward
+  size_t backward_workspace_bytes(int64_t batch) const;  // per-layer activation gradients + a ones vector
+
+  // Packs the layers' weights (and biases; nullptr where a layer has none) from PyTorch layouts in spec.dtype.
+  void pack_weights(const std::vector<const void*>& weights, const std::vector<const void*>& biases, void* packed,
+                    Stream stream) const;
+  void forward(const void* packed, const void* x, void* y, int64_t batch, Stream stream) const;
+  // As forward, and keeps the activations backward needs in `stash` (stash_bytes(batch)).
+  void forward_train(const void* packed, const void* x, void* y, void* stash, int64_t batch, Stream stream) const;
+  // From dy = dL/dy: every parameter's gradient into `grads` (float32, num_parameters(), overwritten) and, when
+  // dx is not null, dL/dx. x, y and stash are forward_train's; `workspace` holds backward_workspace_bytes(batch).
+  void backward(const void* packed, const void* x, const void* y, const void* dy, const void* stash,
+                void* workspace, float* grads, void* dx, int64_t batch, Stream stream) const;
+
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kfuse

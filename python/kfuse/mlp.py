@@ -1,0 +1,341 @@
+"""kfuse.FusedMLP: a fully fused MLP whose CUDA kernels are generated for the exact model at run time.
+
+The C++ core writes CUDA source specialized to the widths and activations, compiles it with NVRTC for the device
+(cached on disk under $KFUSE_CACHE_DIR/kernels, else ~/.cache/kfuse/kernels) and runs it: the forward in one kernel,
+the backward as one kernel for the activation-gradient chain plus GEMMs for the weight gradients, through
+torch.autograd. On CPU tensors the module runs plain PyTorch (same math), so it trains and tests anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence, Union
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from . import _C
+
+__all__ = ["FusedMLP", "Activation"]
+
+_GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class Activation:
+    """An activation for FusedMLP.
+
+    Built-ins by name: ``Activation.builtin("relu")``, ``"leaky_relu"`` (``alpha`` = negative slope), ``"sigmoid"``,
+    ``"tanh"``, ``"silu"``, ``"gelu"`` (tanh form), ``"softplus"`` (``alpha`` = beta, threshold 20), ``"identity"``.
+    User-defined: CUDA float expressions of ``x`` and of its derivative in terms of ``x`` and/or ``y`` (the value),
+    e.g. ``Activation("softsign", "x / (1.0f + fabsf(x))", "1.0f / ((1.0f + fabsf(x)) * (1.0f + fabsf(x)))")``.
+    The expressions are compiled once with NVRTC here: a mistake raises ValueError quoting NVRTC's log. ``torch_fn``
+    (optional) is the same function on tensors, used on CPU tensors.
+    """
+
+    def __init__(self, name: str, expression: str, derivative: str, torch_fn: Callable | None = None, *,
+                 _builtin: tuple | None = None):
+        self.name, self.expression, self.derivative = name, expression, derivative
+        self.torch_fn = torch_fn
+        self._builtin = _builtin
+        if _builtin is None:
+            _C.mlp_validate_activation(name, expression, derivative, _C.built_with_cuda())
+
+    @classmethod
+    def builtin(cls, name: str, alpha: float | None = None) -> "Activation":
+        n, e, d = _C.mlp_builtin_activation(name, alpha)  # ValueError for unknown names
+        return cls(n, e, d, _torch_builtin(n, alpha), _builtin=(n, alpha))
+
+    def as_tuple(self) -> tuple[str, str, str]:
+        return (self.name, self.expression, self.derivative)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.torch_fn is None:
+            raise NotImplementedError(
+                f"activation '{self.name}' has no torch_fn: pass torch_fn= to Activation to run it on CPU tensors")
+        return self.torch_fn(x)
+
+    def __repr__(self) -> str:
+        if self._builtin is not None:
+            n, a = self._builtin
+            return f"Activation.builtin({n!r}" + ("" if a is None else f", {a!r}") + ")"
+        return f"Activation({self.name!r}, {self.expression!r}, {self.derivative!r})"
+
+
+def _torch_builtin(name: str, alpha: float | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name == "relu":
+        return torch.relu
+    if name == "leaky_relu":
+        slope = 0.01 if alpha is None else alpha
+        return lambda x: F.leaky_relu(x, slope)
+    if name == "sigmoid":
+        return torch.sigmoid
+    if name == "tanh":
+        return torch.tanh
+    if name == "silu":
+        return F.silu
+    if name == "gelu":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "softplus":
+        beta = 1.0 if alpha is None else alpha
+        return lambda x: F.softplus(x, beta=beta, threshold=20.0)
+    return lambda x: x  # identity
+
+
+ActivationLike = Union[str, Activation, tuple]
+
+
+def _as_activation(a: ActivationLike, where: str) -> Activation:
+    if isinstance(a, Activation):
+        return a
+    if isinstance(a, str):
+        return Activation.builtin(a)
+    if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str):
+        return Activation.builtin(a[0], float(a[1]))
+    raise TypeError(f"{where}: expected an activation name, (name, alpha) or kfuse.Activation, got {a!r}")
+
+
+def _is_single_activation(a) -> bool:
+    return isinstance(a, (str, Activation)) or (
+        isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], (int, float)))
+
+
+def _activation_of_module(m: nn.Module, index: int) -> Activation:
+    """The FusedMLP activation equal to a torch activation module, or ValueError naming why not."""
+    where = f"from_torch: layer {index} ({type(m).__name__})"
+    if isinstance(m, nn.ReLU):
+        return Activation.builtin("relu")
+    if isinstance(m, nn.LeakyReLU):
+        return Activation.builtin("leaky_relu", float(m.negative_slope))
+    if isinstance(m, nn.Sigmoid):
+        return Activation.builtin("sigmoid")
+    if isinstance(m, nn.Tanh):
+        return Activation.builtin("tanh")
+    if isinstance(m, nn.SiLU):
+        return Activation.builtin("silu")
+    if isinstance(m, nn.GELU):
+        if m.approximate != "tanh":
+            raise ValueError(f"{where}: only GELU(approximate='tanh') is supported (got approximate="
+                             f"{m.approximate!r})")
+        return Activation.builtin("gelu")
+    if isinstance(m, nn.Softplus):
+        if m.threshold != 20:
+            raise ValueError(f"{where}: only Softplus(threshold=20) is supported (got {m.threshold})")
+        return Activation.builtin("softplus", float(m.beta))
+    if isinstance(m, nn.Identity):
+        return Activation.builtin("identity")
+    raise ValueError(f"{where} is not supported: nn.Sequential of nn.Linear layers with ReLU, LeakyReLU, Sigmoid, "
+                     f"Tanh, SiLU, GELU(approximate='tanh'), Softplus or Identity between them")
+
+
+def _cuda_stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+class _FusedFunction(torch.autograd.Function):
+    """Forward (training forward when gradients are wanted) and backward of the generated kernels. Parameters pass
+    as inputs so that autograd routes their gradients; the kernels read them from the packed buffer."""
+
+    @staticmethod
+    def forward(ctx, engine, packed, train, out_width, x, *params):
+        batch = x.shape[0]
+        y = torch.empty(batch, out_width, dtype=x.dtype, device=x.device)
+        stream = _cuda_stream(x.device)
+        if train:
+            stash = torch.empty(max(engine.stash_bytes(batch), 16), dtype=torch.uint8, device=x.device)
+            engine.forward_train(packed, x, y, stash, stream)
+            ctx.engine = engine
+            ctx.param_shapes = [p.shape for p in params]
+            ctx.param_dtype = params[0].dtype
+            ctx.save_for_backward(x, y, stash, packed)
+        else:
+            engine.forward(packed, x, y, stream)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, y, stash, packed = ctx.saved_tensors
+        engine = ctx.engine
+        batch = x.shape[0]
+        dy = dy.to(x.dtype).contiguous()
+        if dy.data_ptr() % 16:
+            dy = dy.clone()
+        workspace = torch.empty(engine.backward_workspace_bytes(batch), dtype=torch.uint8, device=x.device)
+        grads = torch.empty(engine.num_parameters, dtype=torch.float32, device=x.device)
+        dx = torch.empty_like(x) if ctx.needs_input_grad[4] else None
+        engine.backward(packed, x, y, dy, stash, workspace, grads, dx, _cuda_stream(x.device))
+        if ctx.param_dtype != torch.float32:
+            grads = grads.to(ctx.param_dtype)
+        sizes = [math.prod(s) for s in ctx.param_shapes]
+        out = [g.view(s) if need else None
+               for g, s, need in zip(torch.split(grads, sizes), ctx.param_shapes, ctx.needs_input_grad[5:])]
+        return (None, None, None, None, dx, *out)
+
+
+class FusedMLP(nn.Module):
+    """A fully fused MLP: ``input_width -> hidden_widths... -> output_width`` with ``activation`` after every
+    hidden layer and ``output_activation`` after the last.
+
+    - hidden widths: multiples of 16 up to 256, different per layer; input and output widths 1..256;
+    - ``activation``: a name, ``(name, alpha)``, a :class:`kfuse.Activation`, or a list of those (one per hidden
+      layer); ``bias``: bool or one bool per layer;
+    - parameters are ``layers[i].weight`` / ``layers[i].bias`` (nn.Linear's); the module's dtype is the compute
+      dtype on the GPU (float16 or bfloat16 with fp32 accumulation; a float32 module computes in float16 and returns
+      float32);
+    - any batch >= 1 and any leading dimensions: input (..., input_width) -> output (..., output_width).
+    """
+
+    def __init__(self, input_width: int, output_width: int, hidden_widths: Sequence[int] = (64, 64, 64, 64),
+                 activation: ActivationLike | Sequence[ActivationLike] = "relu",
+                 output_activation: ActivationLike = "identity", bias: bool | Sequence[bool] = True,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        hidden = [int(w) for w in hidden_widths]
+        if _is_single_activation(activation):
+            acts = [_as_activation(activation, "activation")] * len(hidden)
+        else:
+            acts = [_as_activation(a, f"activation {i}") for i, a in enumerate(activation)]
+            if len(acts) != len(hidden):
+                raise ValueError(f"expected one activation per hidden layer ({len(hidden)}), got {len(acts)}")
+        out_act = _as_activation(output_activation, "output_activation")
+        n_layers = len(hidden) + 1
+        biases = [bool(bias)] * n_layers if isinstance(bias, bool) else [bool(b) for b in bias]
+        if len(biases) != n_layers:
+            raise ValueError(f"expected one bias flag per layer ({n_layers}), got {len(biases)}")
+        # The C++ core validates widths and counts and names the problem (ValueError).
+        _C.mlp_spec_string(int(input_width), hidden, int(output_width), [a.as_tuple() for a in acts],
+                           out_act.as_tuple(), biases, "float16")
+        self.input_width, self.output_width, self.hidden_widths = int(input_width), int(output_width), hidden
+        self.activations, self.output_activation, self.bias_flags = acts, out_act, biases
+        widths = [self.input_width, *hidden, self.output_width]
+        self.layers = nn.ModuleList(nn.Linear(widths[i], widths[i + 1], bias=biases[i], dtype=dtype, device=device)
+                                    for i in range(n_layers))
+        self._engines: dict = {}
+        self._packed = None  # (key, packed tensor)
+
+    # -- construction --------------------------------------------------------------------------------------------
+    @classmethod
+    def from_torch(cls, module: nn.Sequential) -> "FusedMLP":
+        """A FusedMLP with the structure, weights, dtype and device of an ``nn.Sequential`` of ``nn.Linear``
+        layers (with or without bias) and supported activations between them (and optionally after the last)."""
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(f"from_torch expects an nn.Sequential, got {type(module).__name__}")
+        linears: list[nn.Linear] = []
+        acts: list[Activation | None] = []  # the activation after each Linear (None = identity so far)
+        for i, m in enumerate(module):
+            if isinstance(m, nn.Linear):
+                if linears and linears[-1].out_features != m.in_features:
+                    raise ValueError(f"from_torch: layer {i} (Linear) takes {m.in_features} features but the "
+                                     f"previous Linear gives {linears[-1].out_features}")
+                linears.append(m)
+                acts.append(None)
+                continue
+            if isinstance(m, nn.Dropout) and m.p == 0:
+                continue
+            act = _activation_of_module(m, i)
+            if not linears:
+                raise ValueError(f"from_torch: layer {i} ({type(m).__name__}) comes before the first Linear")
+            if acts[-1] is not None:
+                raise ValueError(f"from_torch: layer {i} ({type(m).__name__}) follows another activation; "
+                                 f"one activation per Linear is supported")
+            acts[-1] = act
+        if len(linears) < 2:
+            raise ValueError(f"from_torch: need at least two Linear layers (one hidden layer), got {len(linears)}")
+        identity = Activation.builtin("identity")
+        acts = [a if a is not None else identity for a in acts]
+        hidden = [m.out_features for m in linears[:-1]]
+        for i, w in enumerate(hidden):
+            if w % 16 or w > 256:
+                raise ValueError(f"from_torch: hidden layer {i} has width {w}; FusedMLP needs hidden widths that are "
+                                 f"multiples of 16 up to 256")
+        p = linears[0].weight
+        mlp = cls(linears[0].in_features, linears[-1].out_features, hidden, acts[:-1], acts[-1],
+                  [m.bias is not None for m in linears], dtype=p.dtype, device=p.device)
+        with torch.no_grad():
+            for dst, src in zip(mlp.layers, linears):
+                dst.weight.copy_(src.weight)
+                if src.bias is not None:
+                    dst.bias.copy_(src.bias)
+        return mlp
+
+    # -- GPU plumbing --------------------------------------------------------------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        out = []
+        for layer in self.layers:
+            out.append(layer.weight)
+            if layer.bias is not None:
+                out.append(layer.bias)
+        return out
+
+    def engine(self, device: torch.device, compute_dtype: torch.dtype, variant: tuple | None = None):
+        """The generated kernels for this MLP on `device` (compiled or loaded from the cache on first use)."""
+        key = (device.index or 0, compute_dtype, variant)
+        e = self._engines.get(key)
+        if e is None:
+            e = _C.FusedMlpGpu(self.input_width, self.hidden_widths, self.output_width,
+                               [a.as_tuple() for a in self.activations], self.output_activation.as_tuple(),
+                               self.bias_flags, _GPU_DTYPES[compute_dtype], device.index or 0, variant)
+            self._engines[key] = e
+        return e
+
+    def _packed_weights(self, engine, params: list[torch.Tensor], compute_dtype: torch.dtype) -> torch.Tensor:
+        # Repacked when a parameter changed (optimizer steps bump _version) or was replaced. A new buffer each time:
+        # a pending backward keeps the one its forward used.
+        # Inference tensors (made under torch.inference_mode) cannot be saved for backward: not reused outside it.
+        key = (id(engine), torch.is_inference_mode_enabled(), tuple((p.data_ptr(), p._version) for p in params))
+        if self._packed is not None and self._packed[0] == key:
+            return self._packed[1]
+        device = params[0].device
+        packed = torch.empty(engine.packed_weights_bytes(), dtype=torch.uint8, device=device)
+        ws, bs = [], []
+        with torch.no_grad():
+            for layer in self.layers:
+                ws.append(layer.weight.detach().to(compute_dtype).contiguous())
+                bs.append(None if layer.bias is None else layer.bias.detach().to(compute_dtype).contiguous())
+            engine.pack_weights(ws, bs, packed, _cuda_stream(device))
+        self._packed = (key, packed)
+        return packed
+
+    # -- forward -------------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"FusedMLP expects a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.input_width:
+            raise ValueError(f"FusedMLP input must have shape (..., {self.input_width}), got {tuple(x.shape)}")
+        p = self.layers[0].weight
+        if x.device != p.device:
+            raise ValueError(f"input is on {x.device} but the MLP's parameters are on {p.device}")
+        if not x.is_floating_point():
+            raise ValueError(f"FusedMLP input must be floating point, got {x.dtype}")
+        if x.device.type != "cuda":
+            return self.forward_torch(x)
+        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"FusedMLP on CUDA runs float16, bfloat16 or float32 modules, this one is {p.dtype}")
+        compute = p.dtype if p.dtype in _GPU_DTYPES else torch.float16
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.input_width).to(compute).contiguous()
+        if x2.shape[0] == 0:
+            return x.new_empty(*lead, self.output_width, dtype=p.dtype)
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()
+        engine = self.engine(x.device, compute)
+        params = self._params()
+        packed = self._packed_weights(engine, params, compute)
+        train = torch.is_grad_enabled() and (x2.requires_grad or any(q.requires_grad for q in params))
+        y = _FusedFunction.apply(engine, packed, train, self.output_width, x2, *params)
+        return y.to(p.dtype).reshape(*lead, self.output_width)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The same MLP in plain PyTorch ops (the CPU path, and a reference)."""
+        h = x.to(self.layers[0].weight.dtype)
+        acts = [*self.activations, self.output_activation]
+        for layer, act in zip(self.layers, acts):
+            h = act(layer(h))
+        return h
+
+    def extra_repr(self) -> str:
+        acts = ", ".join(a.name for a in self.activations)
+        return (f"input_width={self.input_width}, hidden_widths={self.hidden_widths}, "
+                f"output_width={self.output_width}, activations=[{acts}], output_activation="
+                f"{self.output_activation.name}")

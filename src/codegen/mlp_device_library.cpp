@@ -1,0 +1,304 @@
+// The fixed part of every generated MLP module: self-contained device helpers (no #include, so NVRTC needs no
+// header search path): 16-bit conversions, mma.sync m16n8k16 with fp32 accumulation, ldmatrix, cp.async, the tile
+// loops that the generated kernels call with compile-time sizes. The source writer prepends `#define KFUSE_BF16 0|1`.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16): lane = 4 g + q. Accumulator ("C layout") of a 16x8 tile: rows g and
+// g + 8, columns 2q and 2q + 1. A operand of a 16x16 tile: regs {row g, k 2q..}, {row g+8, k 2q..},
+// {row g, k 2q+8..}, {row g+8, k 2q+8..}. Two adjacent 16x8 accumulator tiles are therefore exactly one A tile
+// (to_a): a layer's output feeds the next layer without leaving the registers.
+#include "codegen/mlp_codegen.h"
+
+namespace kfuse::codegen {
+
+const char* mlp_device_library() {
+  return R"KFUSE(
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#if KFUSE_BF16
+#define KFUSE_MMA_TYPE "bf16"
+#else
+#define KFUSE_MMA_TYPE "f16"
+#endif
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// Rounds two floats to 16 bits (round to nearest even) and packs them, lo in the low half.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+#if KFUSE_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+__device__ __forceinline__ u16 to_bits(float v) {
+  u16 r;
+#if KFUSE_BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+#endif
+  return r;
+}
+__device__ __forceinline__ float from_bits(u16 v) {
+#if KFUSE_BF16
+  return __uint_as_float(static_cast<u32>(v) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." KFUSE_MMA_TYPE "." KFUSE_MMA_TYPE
+      ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// All threads of the CTA copy BYTES (a multiple of 16) from global to shared memory.
+template <int BYTES, int THREADS>
+__device__ __forceinline__ void copy_flat(u32 dst, const unsigned char* src) {
+  for (int i = threadIdx.x * 16; i < BYTES; i += THREADS * 16) cp_async16(dst + i, src + i);
+}
+
+// All threads copy a ROWS x COLS tile (halves; COLS a multiple of 8) with rows SRC_STRIDE apart into shared memory
+// with rows DST_STRIDE apart.
+template <int ROWS, int COLS, int SRC_STRIDE, int DST_STRIDE, int THREADS>
+__device__ __forceinline__ void copy_tile(u32 dst, const u16* src) {
+  constexpr int PIECES = COLS / 8;
+  for (int i = threadIdx.x; i < ROWS * PIECES; i += THREADS) {
+    const int r = i / PIECES, c = (i % PIECES) * 8;
+    cp_async16(dst + (r * DST_STRIDE + c) * 2, src + r * SRC_STRIDE + c);
+  }
+}
+
+// A operand held in registers (a previous layer's output).
+template <int MT, int KT>
+struct RegA {
+  const u32 (&r)[MT][KT][4];
+  __device__ __forceinline__ void get(int mt, int kt, u32 (&o)[4]) const {
+    o[0] = r[mt][kt][0];
+    o[1] = r[mt][kt][1];
+    o[2] = r[mt][kt][2];
+    o[3] = r[mt][kt][3];
+  }
+};
+
+// A operand read from the caller's input (batch x WIDTH, contiguous): zero beyond the batch and the width.
+// `row` is the lane's first row (tile row g).
+template <int WIDTH>
+struct InputA {
+  const u16* __restrict__ x;
+  i64 row, batch;
+  int q;
+  __device__ __forceinline__ u32 pair(i64 r, int c) const {
+    if (r >= batch) return 0u;
+    const u16* p = x + r * WIDTH + c;
+    if (WIDTH % 2 == 0) return c < WIDTH ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
+    const u32 lo = c < WIDTH ? static_cast<u32>(__ldg(p)) : 0u;
+    const u32 hi = c + 1 < WIDTH ? static_cast<u32>(__ldg(p + 1)) : 0u;
+    return lo | (hi << 16);
+  }
+  __device__ __forceinline__ void get(int mt, int kt, u32 (&o)[4]) const {
+    const i64 r = row + mt * 16;
+    const int c = kt * 16 + 2 * q;
+    o[0] = pair(r, c);
+    o[1] = pair(r + 8, c);
+    o[2] = pair(r, c + 8);
+    o[3] = pair(r + 8, c + 8);
+  }
+};
+
+// acc += A[:, 16 KT0 .. 16 KT1) W[:, same]^T for NT 8-column tiles. The weight columns from K0 on sit in shared
+// memory at `w` as rows (output columns) STRIDE halves apart. One ldmatrix.x4 gives the B fragments of two n-tiles.
+template <int MT, int NT, int KT0, int KT1, int K0, int STRIDE, class Src>
+__device__ __forceinline__ void mma_chunk(float (&acc)[MT][NT][4], const Src& a, u32 w, int lane) {
+  const u32 base = w + ((((lane >> 4) << 3) + (lane & 7)) * STRIDE + (((lane >> 3) & 1) << 3)) * 2;
+#pragma unroll
+  for (int kt = KT0; kt < KT1; ++kt) {
+    u32 af[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) a.get(mt, kt, af[mt]);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      u32 b0, b1, b2, b3;
+      ldsm4(base + (np * 16 * STRIDE + kt * 16 - K0) * 2, b0, b1, b2, b3);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma(acc[mt][2 * np], af[mt], b0, b1);
+        mma(acc[mt][2 * np + 1], af[mt], b2, b3);
+      }
+    }
+  }
+}
+
+template <bool HAS_BIAS, int MT, int NT>
+__device__ __forceinline__ void init_acc(float (&acc)[MT][NT][4], const float* __restrict__ bias, int q) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const float b0 = HAS_BIAS ? bias[nt * 8 + 2 * q] : 0.0f, b1 = HAS_BIAS ? bias[nt * 8 + 2 * q + 1] : 0.0f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      acc[mt][nt][0] = b0;
+      acc[mt][nt][1] = b1;
+      acc[mt][nt][2] = b0;
+      acc[mt][nt][3] = b1;
+    }
+  }
+}
+
+template <class Act, int MT, int NT>
+__device__ __forceinline__ void apply_act(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = Act::f(acc[mt][nt][i]);
+}
+
+// Rounds the fp32 accumulators to 16 bits and re-arranges them as the next layer's A operand (registers only).
+template <int MT, int NT>
+__device__ __forceinline__ void to_a(const float (&acc)[MT][NT][4], u32 (&a)[MT][NT / 2][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) {
+      a[mt][j][0] = pack2(acc[mt][2 * j][0], acc[mt][2 * j][1]);
+      a[mt][j][1] = pack2(acc[mt][2 * j][2], acc[mt][2 * j][3]);
+      a[mt][j][2] = pack2(acc[mt][2 * j + 1][0], acc[mt][2 * j + 1][1]);
+      a[mt][j][3] = pack2(acc[mt][2 * j + 1][2], acc[mt][2 * j + 1][3]);
+    }
+}
+
+// Stores a C-layout tile as 16-bit values into rows of LD elements; rows >= batch and columns >= WIDTH are skipped.
+template <int WIDTH, int LD, int MT, int NT>
+__device__ __forceinline__ void store_c(const float (&acc)[MT][NT][4], u16* __restrict__ out, i64 row, i64 batch,
+                                        int q) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const i64 r = row + mt * 16 + h * 8;
+      if (r >= batch) continue;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int c = nt * 8 + 2 * q;
+        u16* p = out + r * LD + c;
+        const float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
+        if (WIDTH % 2 == 0 && LD % 2 == 0) {
+          if (c < WIDTH) *reinterpret_cast<u32*>(p) = pack2(v0, v1);
+        } else {
+          if (c < WIDTH) p[0] = to_bits(v0);
+          if (c + 1 < WIDTH) p[1] = to_bits(v1);
+        }
+      }
+    }
+}
+
+// Loads a C-layout tile of 16-bit values as floats; zero beyond the batch and WIDTH.
+template <int WIDTH, int LD, int MT, int NT>
+__device__ __forceinline__ void load_c(float (&v)[MT][NT][4], const u16* __restrict__ in, i64 row, i64 batch,
+                                       int q) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const i64 r = row + mt * 16 + h * 8;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int c = nt * 8 + 2 * q;
+        float v0 = 0.0f, v1 = 0.0f;
+        if (r < batch) {
+          const u16* p = in + r * LD + c;
+          if (WIDTH % 2 == 0 && LD % 2 == 0) {
+            if (c < WIDTH) {
+              const u32 both = __ldg(reinterpret_cast<const unsigned int*>(p));
+              v0 = from_bits(static_cast<u16>(both & 0xffffu));
+              v1 = from_bits(static_cast<u16>(both >> 16));
+            }
+          } else {
+            if (c < WIDTH) v0 = from_bits(__ldg(p));
+            if (c + 1 < WIDTH) v1 = from_bits(__ldg(p + 1));
+          }
+        }
+        v[mt][nt][2 * h] = v0;
+        v[mt][nt][2 * h + 1] = v1;
+      }
+    }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+}
+
+// Columns >= WIDTH (the padding of a layer whose width is not a multiple of 16) set to zero.
+template <int WIDTH, int MT, int NT>
+__device__ __forceinline__ void mask_columns(float (&acc)[MT][NT][4], int q) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      if (nt * 8 + 2 * q + j >= WIDTH)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc[mt][nt][j] = acc[mt][nt][j + 2] = 0.0f;
+}
+
+// Backward through an activation: g *= f'(x) with x the stored pre-activation (y recomputed where used) ...
+template <class Act, int MT, int NT>
+__device__ __forceinline__ void dact_from_x(float (&g)[MT][NT][4], const float (&x)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) g[mt][nt][i] *= Act::df(x[mt][nt][i], Act::f(x[mt][nt][i]));
+}
+// ... from y, the stored output, where the derivative needs no x ...
+template <class Act, int MT, int NT>
+__device__ __forceinline__ void dact_from_y(float (&g)[MT][NT][4], const float (&y)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) g[mt][nt][i] *= Act::df(0.0f, y[mt][nt][i]);
+}
+// ... or a constant derivative.
+template <class Act, int MT, int NT>
+__device__ __forceinline__ void dact_const(float (&g)[MT][NT][4]) {
+  const float d = Act::df(0.0f, 0.0f);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) g[mt][nt][i] *= d;
+}
+)KFUSE";
+}
+
+}  // namespace kfuse::codegen

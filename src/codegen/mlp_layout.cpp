@@ -1,0 +1,43 @@
+#include "codegen/mlp_layout.h"
+
+namespace kfuse::codegen {
+
+MlpLayout mlp_layout(const MlpSpec& spec) {
+  MlpLayout m;
+  const int L = spec.num_layers();
+  for (int l = 0; l < L; ++l) {
+    const int64_t n = spec.layer_out_padded(l), k = spec.layer_in_padded(l);
+    m.fwd_weight_offset.push_back(m.fwd_region_halves);
+    m.fwd_region_halves += n * (k + 8);
+    m.bwd_weight_offset.push_back(m.bwd_region_halves);
+    m.bwd_region_halves += k * (n + 8);
+    m.bias_offset.push_back(m.bias_floats);
+    m.bias_floats += n;
+  }
+  // Every region starts 16-byte aligned (cp.async copies 16 bytes): the counts above are multiples of 8 halves.
+  m.bwd_region_byte_offset = m.fwd_region_halves * 2;
+  m.bias_byte_offset = m.bwd_region_byte_offset + m.bwd_region_halves * 2;
+  m.packed_bytes = m.bias_byte_offset + (m.bias_floats * 4 + 15) / 16 * 16;
+
+  for (int l = 0; l < L; ++l) {
+    const int64_t n = spec.layer_out_padded(l);
+    if (l < L - 1) {
+      m.stash_h_offset.push_back(m.stash_elements_per_row);
+      m.stash_elements_per_row += n;
+    } else {
+      m.stash_h_offset.push_back(-1);
+    }
+    const Activation& a = spec.layer_activation(l);
+    if (!a.is_identity() && a.derivative_uses_x()) {
+      m.stash_z_offset.push_back(m.stash_elements_per_row);
+      m.stash_elements_per_row += n;
+    } else {
+      m.stash_z_offset.push_back(-1);
+    }
+    m.dz_offset.push_back(m.dz_elements_per_row);
+    m.dz_elements_per_row += n;
+  }
+  return m;
+}
+
+}  // namespace kfuse::codegen

@@ -1,0 +1,36 @@
+// Where a fused MLP's data live, shared by the source writer (which bakes the offsets into the kernels) and the
+// runtime (which sizes the buffers):
+//   packed weights: the forward region (layer l as out_padded rows x (in_padded + 8) halves, the kernels' shared
+//     memory layout, so resident weights load with one flat copy), the backward region (the transposes:
+//     in_padded rows x (out_padded + 8)), then the biases as float32 (out_padded per layer, zero where absent);
+//   stash (forward_train -> backward): per layer, arrays of `batch` rows: the activation output h (hidden layers)
+//     and the pre-activation z where the activation's derivative needs x;
+//   backward workspace: per layer the activation gradient dz (batch x out_padded), then `batch` ones (bias
+//     gradients as GEMVs).
+// Array offsets of the stash and the workspace are "elements per row": the array starts at offset * batch.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kfuse/mlp.h"
+
+namespace kfuse::codegen {
+
+struct MlpLayout {
+  std::vector<int64_t> fwd_weight_offset;  // halves from the forward region's start
+  std::vector<int64_t> bwd_weight_offset;  // halves from the backward region's start
+  std::vector<int64_t> bias_offset;        // floats from the bias region's start
+  int64_t fwd_region_halves = 0, bwd_region_halves = 0, bias_floats = 0;
+  int64_t bwd_region_byte_offset = 0, bias_byte_offset = 0, packed_bytes = 0;
+
+  std::vector<int64_t> stash_h_offset;  // -1 for the output layer (its output is the caller's y)
+  std::vector<int64_t> stash_z_offset;  // -1 where the derivative needs no pre-activation
+  int64_t stash_elements_per_row = 0;
+  std::vector<int64_t> dz_offset;
+  int64_t dz_elements_per_row = 0;  // the ones vector follows at dz_elements_per_row * batch
+};
+
+MlpLayout mlp_layout(const MlpSpec& spec);
+
+}  // namespace kfuse::codegen

@@ -1,0 +1,284 @@
+// Writes the CUDA source of one fused MLP: constants for its widths, one functor per layer activation, and the
+// kernels as straight-line code per layer (every size a compile-time constant, so every fragment array stays in
+// registers). See mlp_codegen.h for the kernels and mlp_device_library.cpp for the helpers they call.
+//
+// Weights reach the tensor cores through shared memory in one of two ways (MlpVariant::weights_resident):
+//   resident: the CTA copies all layers once and then loops over row blocks (persistent CTAs); no barrier inside
+//     the loop, since each warp owns its rows from input to output;
+//   streamed: the layers' weights pass through two shared buffers in chunks of k_chunk columns; the chunk sequence
+//     of a row block is known here, so each chunk's code prefetches the next one (across layer boundaries, and the
+//     first chunk of the next row block) while the warps multiply the current one: one barrier per chunk.
+#include <sstream>
+
+#include "codegen/mlp_codegen.h"
+#include "codegen/mlp_layout.h"
+#include "kfuse/error.h"
+
+namespace kfuse::codegen {
+namespace {
+
+// Text of the arguments streamed one after the other (also sidesteps a GCC 12 -Wrestrict false positive on
+// "literal" + std::string).
+template <class... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+// One GEMM of a row block: acc (rows x n) += A (rows x k) * W^T, W stored as n rows of k (+ 8 padding) halves at
+// `offset` halves of the kernel's weight region.
+struct Gemm {
+  int k = 0, n = 0;
+  int64_t offset = 0;
+};
+
+struct Chunk {
+  Gemm g;
+  int k0 = 0, kc = 0;
+};
+
+class KernelWriter {
+ public:
+  KernelWriter(std::ostringstream& os, const MlpVariant& v, std::vector<Gemm> gemms, int64_t region_bytes)
+      : os_(os), v_(v), gemms_(std::move(gemms)), region_bytes_(region_bytes) {
+    for (const Gemm& g : gemms_)
+      for (int k0 = 0; k0 < g.k; k0 += v_.k_chunk) chunks_.push_back({g, k0, std::min(v_.k_chunk, g.k - k0)});
+    for (const Chunk& c : chunks_) buffer_bytes_ = std::max<int64_t>(buffer_bytes_, int64_t(c.g.n) * (c.kc + 8) * 2);
+  }
+
+  // Before the row-block loop: resident weights are copied once; streamed, the first chunk is requested.
+  void prologue() {
+    os_ << "  extern __shared__ __align__(16) unsigned char kfuse_smem[];\n"
+        << "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;\n"
+        << "  const u32 smem = smem_addr(kfuse_smem);\n";
+    if (v_.weights_resident) {
+      os_ << "  copy_flat<" << region_bytes_ << ", THREADS>(smem, reinterpret_cast<const unsigned char*>(p.w));\n"
+          << "  cp_async_commit();\n  cp_async_wait_all();\n  __syncthreads();\n";
+    } else {
+      os_ << "  " << copy_call(chunks_.front(), "smem") << "\n  cp_async_commit();\n  u32 par = 0;\n";
+    }
+    os_ << "  for (i64 blk = blockIdx.x; blk < p.num_blocks; blk += gridDim.x) {\n"
+        << "    const i64 row = blk * ROWS + warp * (16 * MT) + (lane >> 2);\n";
+  }
+  void epilogue() { os_ << "  }\n"; }
+
+  // Emits GEMM number `index` (in the order given) accumulating into `acc` from the A source `src`.
+  void gemm(size_t index, const std::string& acc, const std::string& src) {
+    const Gemm& g = gemms_.at(index);
+    os_ << "    {\n      " << src << "\n";
+    if (v_.weights_resident) {
+      os_ << "      mma_chunk<MT, " << g.n / 8 << ", 0, " << g.k / 16 << ", 0, " << g.k + 8 << ">(" << acc
+          << ", src, smem + " << g.offset * 2 << "u, lane);\n";
+    } else {
+      for (; next_chunk_ < chunks_.size() && chunks_[next_chunk_].g.offset == g.offset; ++next_chunk_) {
+        const Chunk& c = chunks_[next_chunk_];
+        os_ << "      cp_async_wait_all();\n      __syncthreads();  // chunk landed; the other buffer is free\n";
+        if (next_chunk_ + 1 < chunks_.size()) {
+          os_ << "      " << copy_call(chunks_[next_chunk_ + 1], cat("smem + (par ^ 1u) * ", buffer_bytes_, "u"))
+              << "\n";
+        } else {
+          os_ << "      if (blk + gridDim.x < p.num_blocks) "
+              << copy_call(chunks_.front(), cat("smem + (par ^ 1u) * ", buffer_bytes_, "u")) << "\n";
+        }
+        os_ << "      cp_async_commit();\n"
+            << "      mma_chunk<MT, " << g.n / 8 << ", " << c.k0 / 16 << ", " << (c.k0 + c.kc) / 16 << ", " << c.k0
+            << ", " << c.kc + 8 << ">(" << acc << ", src, smem + par * " << buffer_bytes_ << "u, lane);\n"
+            << "      par ^= 1u;\n";
+      }
+    }
+    os_ << "    }\n";
+  }
+
+  int64_t smem_bytes() const { return v_.weights_resident ? region_bytes_ : 2 * buffer_bytes_; }
+
+ private:
+  std::string copy_call(const Chunk& c, const std::string& dst) const {
+    std::ostringstream s;
+    s << "copy_tile<" << c.g.n << ", " << c.kc << ", " << c.g.k + 8 << ", " << c.kc + 8 << ", THREADS>(" << dst
+      << ", p.w + " << c.g.offset + c.k0 << ");";
+    return s.str();
+  }
+
+  std::ostringstream& os_;
+  const MlpVariant& v_;
+  std::vector<Gemm> gemms_;
+  std::vector<Chunk> chunks_;
+  size_t next_chunk_ = 0;
+  int64_t region_bytes_ = 0, buffer_bytes_ = 0;
+};
+
+std::string act_struct(int layer) { return cat("ActL", layer); }
+
+void write_activation(std::ostringstream& os, const std::string& struct_name, const Activation& a) {
+  os << "// activation '" << a.name << "'\n"
+     << "struct " << struct_name << " {\n"
+     << "  static __device__ __forceinline__ float f(float x) { return (" << a.expression << "); }\n"
+     << "  static __device__ __forceinline__ float df(float x, float y) { (void)x; (void)y; return (" << a.derivative
+     << "); }\n};\n";
+}
+
+void write_pack_kernel(std::ostringstream& os, const MlpSpec& s, const MlpLayout& m) {
+  os << "struct PackParams { const u16* w[" << kMaxLayers << "]; const u16* b[" << kMaxLayers
+     << "]; u16* out; float* bias_out; };\n"
+     << "extern \"C\" __global__ void kfuse_mlp_pack(PackParams p) {\n"
+     << "  const i64 first = blockIdx.x * (i64)blockDim.x + threadIdx.x, step = (i64)gridDim.x * blockDim.x;\n"
+     << "  u16* fwd = p.out;\n  u16* bwd = p.out + " << m.fwd_region_halves << ";\n";
+  for (int l = 0; l < s.num_layers(); ++l) {
+    const int n = s.layer_out(l), k = s.layer_in(l), np = s.layer_out_padded(l), kp = s.layer_in_padded(l);
+    os << "  {  // layer " << l << ": " << k << " -> " << n << "\n"
+       << "    const u16* w = p.w[" << l << "];\n"
+       << "    for (i64 i = first; i < " << int64_t(np) * (kp + 8) << "; i += step) {\n"
+       << "      const int r = (int)(i / " << kp + 8 << "), c = (int)(i % " << kp + 8 << ");\n"
+       << "      fwd[" << m.fwd_weight_offset[l] << " + i] = (r < " << n << " && c < " << k << ") ? w[r * " << k
+       << " + c] : (u16)0;\n    }\n"
+       << "    for (i64 i = first; i < " << int64_t(kp) * (np + 8) << "; i += step) {\n"
+       << "      const int r = (int)(i / " << np + 8 << "), c = (int)(i % " << np + 8 << ");\n"
+       << "      bwd[" << m.bwd_weight_offset[l] << " + i] = (r < " << k << " && c < " << n << ") ? w[c * " << k
+       << " + r] : (u16)0;\n    }\n"
+       << "    for (i64 i = first; i < " << np << "; i += step)\n"
+       << "      p.bias_out[" << m.bias_offset[l] << " + i] = (p.b[" << l << "] != nullptr && i < " << n
+       << ") ? from_bits(p.b[" << l << "][i]) : 0.0f;\n  }\n";
+  }
+  os << "}\n\n";
+}
+
+void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m) {
+  const int L = s.num_layers();
+  std::vector<Gemm> gemms;
+  for (int l = 0; l < L; ++l)
+    gemms.push_back({s.layer_in_padded(l), s.layer_out_padded(l), m.fwd_weight_offset[l]});
+  KernelWriter w(os, v, gemms, m.fwd_region_halves * 2);
+  os << "struct FwdParams { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; "
+        "i64 num_blocks; };\n\n"
+     << "template <bool TRAIN>\n__device__ __forceinline__ void forward_body(const FwdParams& p) {\n";
+  w.prologue();
+  for (int l = 0; l < L; ++l) {
+    const int n = s.layer_out_padded(l), k = s.layer_in_padded(l);
+    const Activation& act = s.layer_activation(l);
+    const std::string acc = cat("acc", l), nt = cat(n / 8);
+    os << "    // layer " << l << ": " << s.layer_in(l) << " -> " << s.layer_out(l) << ", " << act.name << "\n"
+       << "    float " << acc << "[MT][" << nt << "][4];\n"
+       << "    init_acc<" << (s.has_bias(l) ? "true" : "false") << ">(" << acc << ", p.bias + " << m.bias_offset[l]
+       << ", q);\n";
+    const std::string src = l == 0 ? cat("const InputA<", s.input_width, "> src{p.x, row, p.batch, q};")
+                                   : cat("const RegA<MT, ", k / 16, "> src{a", l, "};");
+    w.gemm(l, acc, src);
+    if (m.stash_z_offset[l] >= 0)
+      os << "    if (TRAIN) store_c<" << n << ", " << n << ">(" << acc << ", p.stash + " << m.stash_z_offset[l]
+         << " * p.batch, row, p.batch, q);\n";
+    if (!act.is_identity()) os << "    apply_act<" << act_struct(l) << ">(" << acc << ");\n";
+    if (l < L - 1) {
+      os << "    if (TRAIN) store_c<" << n << ", " << n << ">(" << acc << ", p.stash + " << m.stash_h_offset[l]
+         << " * p.batch, row, p.batch, q);\n"
+         << "    u32 a" << l + 1 << "[MT][" << n / 16 << "][4];\n"
+         << "    to_a(" << acc << ", a" << l + 1 << ");\n";
+    } else {
+      os << "    store_c<" << s.output_width << ", " << s.output_width << ">(" << acc << ", p.y, row, p.batch, q);\n";
+    }
+  }
+  w.epilogue();
+  os << "}\n"
+     << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward(FwdParams p) { "
+        "forward_body<false>(p); }\n"
+     << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward_train(FwdParams p) { "
+        "forward_body<true>(p); }\n\n";
+}
+
+void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m, bool dx) {
+  const int L = s.num_layers();
+  std::vector<Gemm> gemms;  // layer l's transpose: k = out_padded(l), n = in_padded(l)
+  for (int l = L - 1; l >= (dx ? 0 : 1); --l)
+    gemms.push_back({s.layer_out_padded(l), s.layer_in_padded(l), m.bwd_weight_offset[l]});
+  KernelWriter w(os, v, gemms, m.bwd_region_halves * 2);
+  const std::string name = dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward";
+  os << "extern \"C\" __global__ void __launch_bounds__(THREADS) " << name << "(BwdParams p) {\n";
+  w.prologue();
+  const int out_nt = s.layer_out_padded(L - 1) / 8;
+  os << "    float g" << L - 1 << "[MT][" << out_nt << "][4];\n"
+     << "    load_c<" << s.output_width << ", " << s.output_width << ">(g" << L - 1 << ", p.dy, row, p.batch, q);\n";
+  size_t gemm_index = 0;
+  for (int l = L - 1; l >= 0; --l) {
+    const int n = s.layer_out_padded(l), k = s.layer_in_padded(l);
+    const std::string g = cat("g", l), nt = cat(n / 8);
+    const Activation& act = s.layer_activation(l);
+    os << "    // layer " << l << " (" << s.layer_in(l) << " -> " << s.layer_out(l) << ", " << act.name
+       << "): dz = dL/dh * f'\n";
+    if (!act.is_identity()) {
+      if (m.stash_z_offset[l] >= 0) {
+        os << "    {\n      float t[MT][" << nt << "][4];\n      load_c<" << n << ", " << n << ">(t, p.stash + "
+           << m.stash_z_offset[l] << " * p.batch, row, p.batch, q);\n      dact_from_x<" << act_struct(l) << ">("
+           << g << ", t);\n    }\n";
+      } else if (act.derivative_uses_y()) {
+        os << "    {\n      float t[MT][" << nt << "][4];\n";
+        if (l == L - 1)
+          os << "      load_c<" << s.output_width << ", " << s.output_width << ">(t, p.y, row, p.batch, q);\n";
+        else
+          os << "      load_c<" << n << ", " << n << ">(t, p.stash + " << m.stash_h_offset[l]
+             << " * p.batch, row, p.batch, q);\n";
+        os << "      dact_from_y<" << act_struct(l) << ">(" << g << ", t);\n    }\n";
+      } else {
+        os << "    dact_const<" << act_struct(l) << ">(" << g << ");\n";
+      }
+      // The padding columns of a narrow output layer must stay exactly zero whatever f'(0) is.
+      if (l == L - 1 && s.output_width % 16 != 0) os << "    mask_columns<" << s.output_width << ">(" << g << ", q);\n";
+    }
+    os << "    store_c<" << n << ", " << n << ">(" << g << ", p.dz + " << m.dz_offset[l] << " * p.batch, row, p.batch, q);\n";
+    if (l == 0 && !dx) break;
+    const std::string next = l > 0 ? cat("g", l - 1) : std::string("gx");
+    os << "    u32 d" << l << "[MT][" << n / 16 << "][4];\n    to_a(" << g << ", d" << l << ");\n"
+       << "    float " << next << "[MT][" << k / 8 << "][4];\n    zero_acc(" << next << ");\n";
+    w.gemm(gemm_index++, next, cat("const RegA<MT, ", n / 16, "> src{d", l, "};"));
+    if (l == 0)
+      os << "    store_c<" << s.input_width << ", " << s.input_width << ">(gx, p.dx, row, p.batch, q);\n";
+  }
+  w.epilogue();
+  os << "}\n\n";
+}
+
+}  // namespace
+
+std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, MlpModulePart part) {
+  spec.validate();
+  KFUSE_CHECK(variant.m_tiles == 1 || variant.m_tiles == 2, InvalidArgument, "m_tiles must be 1 or 2");
+  KFUSE_CHECK(variant.warps >= 1 && variant.warps <= 16, InvalidArgument, "warps must be in [1, 16]");
+  KFUSE_CHECK(variant.k_chunk >= 16 && variant.k_chunk % 16 == 0, InvalidArgument,
+              "k_chunk must be a positive multiple of 16");
+  const MlpLayout m = mlp_layout(spec);
+  std::ostringstream os;
+  const bool fwd = part != MlpModulePart::kBackward, bwd = part != MlpModulePart::kForward;
+  os << "// kfuse fused MLP: " << spec.to_string() << ", variant " << variant.name()
+     << (part == MlpModulePart::kForward ? ", forward" : part == MlpModulePart::kBackward ? ", backward" : "")
+     << " (generated)\n"
+     << "#define KFUSE_BF16 " << (spec.dtype == MlpDType::kBFloat16 ? 1 : 0) << "\n"
+     << mlp_device_library() << "\n"
+     << "constexpr int MT = " << variant.m_tiles << ";\n"
+     << "constexpr int WARPS = " << variant.warps << ";\n"
+     << "constexpr int THREADS = WARPS * 32;\n"
+     << "constexpr int ROWS = WARPS * 16 * MT;\n\n";
+  for (int l = 0; l < spec.num_layers(); ++l) write_activation(os, act_struct(l), spec.layer_activation(l));
+  os << "\n";
+  if (fwd) {
+    write_pack_kernel(os, spec, m);
+    write_forward(os, spec, variant, m);
+  }
+  if (bwd) {
+    os << "struct BwdParams { const u16* dy; const u16* y; const u16* stash; const u16* w; u16* dz; u16* dx; "
+          "i64 batch; i64 num_blocks; };\n\n";
+    write_backward(os, spec, variant, m, false);
+    write_backward(os, spec, variant, m, true);
+  }
+  return os.str();
+}
+
+std::string activation_probe_source(const Activation& a) {
+  std::ostringstream os;
+  os << "// kfuse activation probe\n";
+  write_activation(os, "Probe", a);
+  os << "extern \"C\" __global__ void kfuse_probe(float* v) {\n"
+     << "  const float x = v[threadIdx.x];\n"
+     << "  v[threadIdx.x] = Probe::f(x) + Probe::df(x, Probe::f(x));\n}\n";
+  return os.str();
+}
+
+}  // namespace kfuse::codegen

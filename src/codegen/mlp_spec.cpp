@@ -1,0 +1,132 @@
+// MlpSpec: validation and the derived sizes (padded widths, parameter counts); MlpVariant: names, shared memory
+// needs and the candidate set the autotuner chooses from.
+#include <algorithm>
+#include <sstream>
+
+#include "kfuse/error.h"
+#include "kfuse/mlp.h"
+
+namespace kfuse {
+namespace {
+int round16(int v) { return (v + 15) / 16 * 16; }
+}  // namespace
+
+const char* mlp_dtype_name(MlpDType d) { return d == MlpDType::kFloat16 ? "float16" : "bfloat16"; }
+
+void MlpSpec::validate() const {
+  KFUSE_CHECK(input_width >= 1 && input_width <= kMaxIoWidth, InvalidArgument, "MLP input width must be in [1, ",
+              kMaxIoWidth, "], got ", input_width);
+  KFUSE_CHECK(output_width >= 1 && output_width <= kMaxIoWidth, InvalidArgument, "MLP output width must be in [1, ",
+              kMaxIoWidth, "], got ", output_width);
+  KFUSE_CHECK(!hidden_widths.empty(), InvalidArgument, "an MLP needs at least one hidden layer (got none)");
+  KFUSE_CHECK(static_cast<int>(hidden_widths.size()) <= kMaxHiddenLayers, InvalidArgument, "at most ",
+              kMaxHiddenLayers, " hidden layers, got ", hidden_widths.size());
+  for (size_t i = 0; i < hidden_widths.size(); ++i) {
+    const int w = hidden_widths[i];
+    KFUSE_CHECK(w >= 16 && w % 16 == 0, InvalidArgument, "hidden width ", i, " is ", w,
+                ": hidden widths must be positive multiples of 16");
+    KFUSE_CHECK(w <= kMaxWidth, InvalidArgument, "hidden width ", i, " is ", w, ": at most ", kMaxWidth,
+                " is supported");
+  }
+  KFUSE_CHECK(activations.size() == hidden_widths.size(), InvalidArgument, "expected one activation per hidden layer (",
+              hidden_widths.size(), "), got ", activations.size());
+  for (const Activation& a : activations) a.check_syntax();
+  output_activation.check_syntax();
+  KFUSE_CHECK(bias.empty() || static_cast<int>(bias.size()) == num_layers(), InvalidArgument,
+              "expected one bias flag per layer (", num_layers(), "), got ", bias.size());
+}
+
+int MlpSpec::layer_in(int l) const { return l == 0 ? input_width : hidden_widths.at(l - 1); }
+int MlpSpec::layer_out(int l) const {
+  return l == num_layers() - 1 ? output_width : hidden_widths.at(l);
+}
+int MlpSpec::layer_in_padded(int l) const { return round16(layer_in(l)); }
+int MlpSpec::layer_out_padded(int l) const { return round16(layer_out(l)); }
+bool MlpSpec::has_bias(int l) const { return bias.empty() ? true : bool(bias.at(l)); }
+const Activation& MlpSpec::layer_activation(int l) const {
+  return l == num_layers() - 1 ? output_activation : activations.at(l);
+}
+
+int64_t MlpSpec::num_parameters() const {
+  int64_t n = 0;
+  for (int l = 0; l < num_layers(); ++l)
+    n += int64_t(layer_out(l)) * layer_in(l) + (has_bias(l) ? layer_out(l) : 0);
+  return n;
+}
+
+std::string MlpSpec::to_string() const {
+  std::ostringstream os;
+  os << "MLP(" << input_width;
+  for (size_t i = 0; i < hidden_widths.size(); ++i) os << " -> " << hidden_widths[i] << " " << activations.at(i).name;
+  os << " -> " << output_width;
+  if (!output_activation.is_identity()) os << " " << output_activation.name;
+  os << ", " << mlp_dtype_name(dtype) << ")";
+  return os.str();
+}
+
+std::string MlpVariant::name() const {
+  std::ostringstream os;
+  os << "mt" << m_tiles << "_w" << warps << (weights_resident ? "_resident" : "_stream" + std::to_string(k_chunk));
+  return os.str();
+}
+
+// Shared-memory rows are padded by 8 halves (16 bytes) so that ldmatrix's eight row addresses fall into distinct
+// bank groups (row strides of 16 * odd bytes).
+size_t mlp_forward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
+  size_t total = 0, chunk = 0;
+  for (int l = 0; l < s.num_layers(); ++l) {
+    const size_t n = s.layer_out_padded(l), k = s.layer_in_padded(l);
+    total += n * (k + 8) * 2;
+    chunk = std::max(chunk, n * (std::min<size_t>(v.k_chunk, k) + 8) * 2);
+  }
+  return v.weights_resident ? total : 2 * chunk;
+}
+
+size_t mlp_backward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
+  // Transposed weights: layer l as (in_padded rows) x (out_padded columns).
+  size_t total = 0, chunk = 0;
+  for (int l = 0; l < s.num_layers(); ++l) {
+    const size_t n = s.layer_in_padded(l), k = s.layer_out_padded(l);
+    total += n * (k + 8) * 2;
+    chunk = std::max(chunk, n * (std::min<size_t>(v.k_chunk, k) + 8) * 2);
+  }
+  return v.weights_resident ? total : 2 * chunk;
+}
+
+namespace {
+int max_width(const MlpSpec& s) {
+  int w = 0;
+  for (int l = 0; l < s.num_layers(); ++l) w = std::max({w, s.layer_in_padded(l), s.layer_out_padded(l)});
+  return w;
+}
+bool fits(const MlpSpec& s, const MlpVariant& v, size_t smem_optin) {
+  return std::max(mlp_forward_smem_bytes(s, v), mlp_backward_smem_bytes(s, v)) <= smem_optin;
+}
+}  // namespace
+
+MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin) {
+  MlpVariant v;
+  // Registers per thread hold a warp's activations: 16 * m_tiles rows x width as fp32 accumulators (width / 2 per
+  // 16 rows) plus the previous layer as fp16 fragments (width / 4): two 16-row tiles fit up to width 64.
+  v.m_tiles = max_width(spec) <= 64 ? 2 : 1;
+  v.warps = v.m_tiles == 2 ? 4 : 8;
+  v.weights_resident = fits(spec, v, smem_optin);
+  v.k_chunk = 64;
+  if (!v.weights_resident && !fits(spec, v, smem_optin)) v.k_chunk = 32;
+  return v;
+}
+
+std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin) {
+  std::vector<MlpVariant> out{mlp_default_variant(spec, smem_optin)};
+  for (int mt : {1, 2})
+    for (int warps : {4, 8})
+      for (int kc : {0, 32, 64}) {
+        MlpVariant v{mt, warps, kc == 0, kc == 0 ? 64 : kc};
+        if (mt == 2 && max_width(spec) > 128) continue;  // would spill registers
+        if (!fits(spec, v, smem_optin)) continue;
+        if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+      }
+  return out;
+}
+
+}  // namespace kfuse

@@ -1,0 +1,383 @@
+// FusedMlp: one spec's generated kernels on one device, and the calls that run them. The kernels come from, in
+// order: this process's module registry (same source and device: shared), the disk cache, NVRTC. Weight gradients
+// are cuBLAS GEMMs over the activation gradients the backward kernel writes (dW_l = dz_l^T h_l, db_l = dz_l^T 1).
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <future>
+#include <map>
+#include <mutex>
+
+#include "codegen/driver_api.h"
+#include "codegen/kernel_cache.h"
+#include "codegen/mlp_codegen.h"
+#include "codegen/mlp_layout.h"
+#include "codegen/nvrtc_compiler.h"
+#include "kfuse/device.h"
+#include "kfuse/error.h"
+#include "kfuse/mlp.h"
+
+namespace kfuse {
+namespace {
+
+using codegen::DriverApi;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+void check_cuda(cudaError_t e, const char* what) {
+  KFUSE_CHECK(e == cudaSuccess, Error, what, " failed: ", cudaGetErrorString(e));
+}
+
+void check_cublas(cublasStatus_t s, const char* what) {
+  KFUSE_CHECK(s == CUBLAS_STATUS_SUCCESS, Error, what, " failed: cuBLAS status ", static_cast<int>(s));
+}
+
+// Makes `device` current (its primary context, as PyTorch uses) for the scope, then restores the caller's.
+// init_context: also create the primary context if the runtime has not yet (driver calls need it current).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device, bool init_context = false) : device_(device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    if (init_context) check_cuda(cudaFree(nullptr), "cudaFree(0) (context creation)");
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0, device_ = 0;
+};
+
+// Host mirrors of the generated kernels' parameter structs (mlp_codegen.h).
+struct PackParams {
+  const void* w[codegen::kMaxLayers];
+  const void* b[codegen::kMaxLayers];
+  void* out;
+  float* bias_out;
+};
+struct FwdParams {
+  const void* x;
+  void* y;
+  const void* w;
+  const float* bias;
+  void* stash;
+  long long batch, num_blocks;
+};
+struct BwdParams {
+  const void* dy;
+  const void* y;
+  const void* stash;
+  const void* w;
+  void* dz;
+  void* dx;
+  long long batch, num_blocks;
+};
+
+// A compiled module: the binary from the disk cache or NVRTC. Thread-safe (runs off the caller's thread for the
+// backward part).
+struct ModuleBinary {
+  std::string image;
+  std::string registry_key;
+  MlpBuildInfo info;
+};
+
+ModuleBinary build_binary(const std::string& source, const DeviceInfo& dev) {
+  const auto t_start = Clock::now();
+  ModuleBinary b;
+  codegen::KernelCacheKey key{codegen::fnv1a64_hex(source), codegen::nvrtc_target_for(dev.major, dev.minor),
+                              codegen::nvrtc_version(), codegen::nvrtc_options_string()};
+  b.registry_key = key.str() + "|dev" + std::to_string(dev.index);
+  b.info.arch = key.arch;
+  codegen::KernelCache cache;
+  b.info.cache_file = cache.path_for(key);
+  if (std::optional<std::string> hit = cache.load(key)) {
+    b.image = std::move(*hit);
+    b.info.from_disk_cache = true;
+  } else {
+    const auto t0 = Clock::now();
+    b.image = codegen::nvrtc_compile(source, "kfuse_mlp_" + key.source_hash + ".cu", key.arch).binary;
+    b.info.compile_seconds = seconds_since(t0);
+    try {
+      cache.store(key, b.image);
+    } catch (const Error& e) {
+      // A read-only cache folder costs compile time in later processes, nothing else.
+      std::fprintf(stderr, "kfuse: warning: %s\n", e.what());
+    }
+  }
+  b.info.load_seconds = seconds_since(t_start) - b.info.compile_seconds;
+  return b;
+}
+
+// A loaded module with its kernels' launch geometry, shared by every FusedMlp of the same source on one device.
+struct LoadedKernels {
+  std::unique_ptr<codegen::DriverModule> module;
+  std::map<std::string, CUfunction> functions;
+  int ctas_per_sm = 0;  // the minimum over the module's row-block kernels
+};
+
+std::mutex registry_mutex;
+std::map<std::string, std::weak_ptr<LoadedKernels>>& registry() {
+  static std::map<std::string, std::weak_ptr<LoadedKernels>> r;
+  return r;
+}
+
+// Loads `binary` into the device's primary context (or finds it loaded). `blocked` kernels loop over row blocks
+// with `threads` threads and `smem` bytes of dynamic shared memory. Caller holds a DeviceGuard.
+std::shared_ptr<LoadedKernels> load_module(ModuleBinary& binary, const std::vector<std::string>& blocked,
+                                           const std::vector<std::string>& others, int threads, size_t smem,
+                                           const std::string& variant_name) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  const auto t0 = Clock::now();
+  if (auto hit = registry()[binary.registry_key].lock()) {
+    binary.info.from_memory = true;
+    return hit;
+  }
+  auto k = std::make_shared<LoadedKernels>();
+  k->module = std::make_unique<codegen::DriverModule>(binary.image);
+  const DriverApi& api = DriverApi::get();
+  k->ctas_per_sm = 1 << 30;
+  for (const std::string& name : blocked) {
+    CUfunction f = k->module->function(name);
+    api.check(api.cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(smem)),
+              "cuFuncSetAttribute(max dynamic shared memory)");
+    int n = 0;
+    api.check(api.cuOccupancyMaxActiveBlocksPerMultiprocessor(&n, f, threads, smem),
+              "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+    KFUSE_CHECK(n >= 1, Error, "MLP kernel ", name, " of variant ", variant_name,
+                " cannot run on this device (occupancy 0: too many registers or too much shared memory)");
+    k->ctas_per_sm = std::min(k->ctas_per_sm, n);
+    k->functions[name] = f;
+  }
+  for (const std::string& name : others) k->functions[name] = k->module->function(name);
+  binary.info.load_seconds += seconds_since(t0);
+  registry()[binary.registry_key] = k;
+  return k;
+}
+
+}  // namespace
+
+struct FusedMlp::Impl {
+  MlpSpec spec;
+  MlpVariant variant;
+  int device = 0;
+  DeviceInfo dev;
+  size_t smem_optin = 0;
+  codegen::MlpLayout layout;
+  size_t forward_smem = 0, backward_smem = 0;
+  std::shared_ptr<LoadedKernels> forward_kernels;
+  MlpBuildInfo info;
+
+  // The backward module: compiled (or read from the cache) on a helper thread from construction on, loaded into
+  // the context by the first backward.
+  mutable std::mutex backward_mutex;
+  mutable std::future<ModuleBinary> backward_binary;
+  mutable std::shared_ptr<LoadedKernels> backward_kernels;
+  mutable cublasHandle_t cublas = nullptr;
+
+  const LoadedKernels& backward_module() const {
+    // Caller holds backward_mutex and a DeviceGuard.
+    if (!backward_kernels) {
+      ModuleBinary b = backward_binary.get();  // rethrows a compile error
+      backward_kernels = load_module(b, {"kfuse_mlp_backward", "kfuse_mlp_backward_dx"}, {}, variant.warps * 32,
+                                     backward_smem, variant.name());
+    }
+    return *backward_kernels;
+  }
+
+  void launch(CUfunction f, long long blocks, int ctas_per_sm, size_t smem, void* params, Stream stream) const {
+    const long long grid = std::min<long long>(blocks, static_cast<long long>(ctas_per_sm) * dev.sm_count);
+    void* args[] = {params};
+    const DriverApi& api = DriverApi::get();
+    api.check(api.cuLaunchKernel(f, static_cast<unsigned>(grid), 1, 1, variant.warps * 32, 1, 1,
+                                 static_cast<unsigned>(smem), reinterpret_cast<CUstream>(stream), args, nullptr),
+              "cuLaunchKernel (fused MLP)");
+  }
+  long long num_blocks(int64_t batch) const { return (batch + variant.rows_per_cta() - 1) / variant.rows_per_cta(); }
+  void check_batch(int64_t batch) const {
+    KFUSE_CHECK(batch >= 1 && batch < (int64_t(1) << 31), InvalidArgument, "MLP batch must be in [1, 2^31), got ",
+                batch);
+  }
+};
+
+namespace {
+void check_aligned(const void* p, const char* what) {
+  KFUSE_CHECK(p != nullptr, InvalidArgument, what, " is null");
+  KFUSE_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, InvalidArgument, what,
+              " must be 16-byte aligned (a fresh allocation is; a sliced view may not be)");
+}
+}  // namespace
+
+// m_tiles == 0 marks "no variant given": the heuristic default for this device.
+FusedMlp::FusedMlp(const MlpSpec& spec, int device) : FusedMlp(spec, device, MlpVariant{0, 0, true, 0}) {}
+
+FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) : impl_(std::make_unique<Impl>()) {
+  spec.validate();
+  Impl& m = *impl_;
+  m.spec = spec;
+  m.device = device;
+  m.dev = cuda_device_info(device);  // throws Unsupported without such a device
+  KFUSE_CHECK(m.dev.major >= 8, Unsupported, "fused MLPs need compute capability 8.0 or newer; ", m.dev.name,
+              " has ", m.dev.major, ".", m.dev.minor);
+  DeviceGuard guard(device, /*init_context=*/true);
+  int optin = 0;
+  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute(shared memory)");
+  m.smem_optin = static_cast<size_t>(optin);
+  m.variant = variant.m_tiles == 0 ? mlp_default_variant(spec, m.smem_optin) : variant;
+  m.layout = codegen::mlp_layout(spec);
+  m.forward_smem = mlp_forward_smem_bytes(spec, m.variant);
+  m.backward_smem = mlp_backward_smem_bytes(spec, m.variant);
+  KFUSE_CHECK(std::max(m.forward_smem, m.backward_smem) <= m.smem_optin, InvalidArgument, "MLP variant ",
+              m.variant.name(), " needs ", std::max(m.forward_smem, m.backward_smem),
+              " bytes of shared memory; the device allows ", m.smem_optin);
+  ModuleBinary fwd = build_binary(codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kForward), m.dev);
+  m.forward_kernels = load_module(fwd, {"kfuse_mlp_forward", "kfuse_mlp_forward_train"}, {"kfuse_mlp_pack"},
+                                  m.variant.warps * 32, m.forward_smem, m.variant.name());
+  m.info = fwd.info;
+  const std::string bwd_source = codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kBackward);
+  const DeviceInfo dev = m.dev;
+  m.backward_binary = std::async(std::launch::async, [bwd_source, dev] { return build_binary(bwd_source, dev); });
+}
+
+FusedMlp::~FusedMlp() {
+  if (!impl_) return;
+  if (impl_->backward_binary.valid()) impl_->backward_binary.wait();  // the helper thread must not outlive us
+  if (impl_->cublas) {
+    DeviceGuard guard(impl_->device);
+    cublasDestroy(impl_->cublas);
+  }
+}
+
+const MlpSpec& FusedMlp::spec() const { return impl_->spec; }
+const MlpVariant& FusedMlp::variant() const { return impl_->variant; }
+const MlpBuildInfo& FusedMlp::build_info() const { return impl_->info; }
+int FusedMlp::device() const { return impl_->device; }
+
+size_t FusedMlp::packed_weights_bytes() const { return static_cast<size_t>(impl_->layout.packed_bytes); }
+size_t FusedMlp::stash_bytes(int64_t batch) const {
+  return static_cast<size_t>(impl_->layout.stash_elements_per_row * batch * 2);
+}
+size_t FusedMlp::backward_workspace_bytes(int64_t batch) const {
+  return static_cast<size_t>((impl_->layout.dz_elements_per_row * batch + batch) * 2);
+}
+
+void FusedMlp::pack_weights(const std::vector<const void*>& weights, const std::vector<const void*>& biases,
+                            void* packed, Stream stream) const {
+  const Impl& m = *impl_;
+  const int L = m.spec.num_layers();
+  KFUSE_CHECK(static_cast<int>(weights.size()) == L, InvalidArgument, "expected ", L, " weight pointers, got ",
+              weights.size());
+  KFUSE_CHECK(static_cast<int>(biases.size()) == L, InvalidArgument, "expected ", L,
+              " bias pointers (nullptr where a layer has none), got ", biases.size());
+  check_aligned(packed, "packed weight buffer");
+  PackParams p{};
+  for (int l = 0; l < L; ++l) {
+    KFUSE_CHECK(weights[l] != nullptr, InvalidArgument, "weight of layer ", l, " is null");
+    KFUSE_CHECK((biases[l] != nullptr) == m.spec.has_bias(l), InvalidArgument, "layer ", l,
+                m.spec.has_bias(l) ? " has a bias but its pointer is null" : " has no bias but a bias pointer was given");
+    p.w[l] = weights[l];
+    p.b[l] = biases[l];
+  }
+  p.out = packed;
+  p.bias_out = reinterpret_cast<float*>(static_cast<char*>(packed) + m.layout.bias_byte_offset);
+  DeviceGuard guard(m.device);
+  const int64_t elems = std::max(m.layout.fwd_region_halves, m.layout.bwd_region_halves);
+  const long long blocks = std::min<long long>((elems + 255) / 256, 4LL * m.dev.sm_count);
+  void* args[] = {&p};
+  const DriverApi& api = DriverApi::get();
+  api.check(api.cuLaunchKernel(m.forward_kernels->functions.at("kfuse_mlp_pack"), static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
+                               reinterpret_cast<CUstream>(stream), args, nullptr),
+            "cuLaunchKernel (MLP weight packing)");
+}
+
+void FusedMlp::forward(const void* packed, const void* x, void* y, int64_t batch, Stream stream) const {
+  const Impl& m = *impl_;
+  m.check_batch(batch);
+  check_aligned(packed, "packed weight buffer");
+  check_aligned(x, "input");
+  check_aligned(y, "output");
+  FwdParams p{x, y, packed, reinterpret_cast<const float*>(static_cast<const char*>(packed) + m.layout.bias_byte_offset),
+              nullptr, batch, m.num_blocks(batch)};
+  DeviceGuard guard(m.device);
+  m.launch(m.forward_kernels->functions.at("kfuse_mlp_forward"), p.num_blocks, m.forward_kernels->ctas_per_sm,
+           m.forward_smem, &p, stream);
+}
+
+void FusedMlp::forward_train(const void* packed, const void* x, void* y, void* stash, int64_t batch,
+                             Stream stream) const {
+  const Impl& m = *impl_;
+  m.check_batch(batch);
+  check_aligned(packed, "packed weight buffer");
+  check_aligned(x, "input");
+  check_aligned(y, "output");
+  if (m.layout.stash_elements_per_row) check_aligned(stash, "stash");
+  FwdParams p{x, y, packed, reinterpret_cast<const float*>(static_cast<const char*>(packed) + m.layout.bias_byte_offset),
+              stash, batch, m.num_blocks(batch)};
+  DeviceGuard guard(m.device);
+  m.launch(m.forward_kernels->functions.at("kfuse_mlp_forward_train"), p.num_blocks, m.forward_kernels->ctas_per_sm,
+           m.forward_smem, &p, stream);
+}
+
+void FusedMlp::backward(const void* packed, const void* x, const void* y, const void* dy, const void* stash,
+                        void* workspace, float* grads, void* dx, int64_t batch, Stream stream) const {
+  const Impl& m = *impl_;
+  const MlpSpec& s = m.spec;
+  const codegen::MlpLayout& lay = m.layout;
+  m.check_batch(batch);
+  check_aligned(packed, "packed weight buffer");
+  check_aligned(x, "input");
+  check_aligned(dy, "output gradient");
+  check_aligned(workspace, "backward workspace");
+  check_aligned(grads, "gradient buffer");
+  if (lay.stash_elements_per_row) check_aligned(stash, "stash");
+  if (s.output_activation.derivative_uses_y() && !s.output_activation.derivative_uses_x()) check_aligned(y, "output");
+  if (dx) check_aligned(dx, "input gradient");
+
+  DeviceGuard guard(m.device);
+  std::lock_guard<std::mutex> lock(m.backward_mutex);
+  const LoadedKernels& kernels = m.backward_module();
+  const char* pk = static_cast<const char*>(packed);
+  BwdParams p{dy, y, stash, pk + lay.bwd_region_byte_offset, workspace, dx, batch, m.num_blocks(batch)};
+  m.launch(kernels.functions.at(dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward"), p.num_blocks,
+           kernels.ctas_per_sm, m.backward_smem, &p, stream);
+
+  // Weight and bias gradients: GEMMs over the batch with fp32 output (cuBLAS splits the long k itself).
+  if (!m.cublas) check_cublas(cublasCreate(&m.cublas), "cublasCreate");
+  check_cublas(cublasSetStream(m.cublas, reinterpret_cast<cudaStream_t>(stream)), "cublasSetStream");
+  const cudaDataType_t t = s.dtype == MlpDType::kFloat16 ? CUDA_R_16F : CUDA_R_16BF;
+  const uint16_t one_bits = s.dtype == MlpDType::kFloat16 ? 0x3C00 : 0x3F80;
+  char* ws = static_cast<char*>(workspace);
+  const char* ones = ws + lay.dz_elements_per_row * batch * 2;
+  const DriverApi& api = DriverApi::get();
+  api.check(api.cuMemsetD16Async(reinterpret_cast<CUdeviceptr>(ones), one_bits, static_cast<size_t>(batch),
+                                 reinterpret_cast<CUstream>(stream)),
+            "cuMemsetD16Async (ones)");
+  const float alpha = 1.0f, beta = 0.0f;
+  const int k = static_cast<int>(batch);
+  int64_t offset = 0;
+  for (int l = 0; l < s.num_layers(); ++l) {
+    const int in = s.layer_in(l), out = s.layer_out(l);
+    const void* h = l == 0 ? x : static_cast<const char*>(stash) + lay.stash_h_offset[l - 1] * batch * 2;
+    const int ld_h = l == 0 ? s.input_width : s.layer_in_padded(l);
+    const char* dz = ws + lay.dz_offset[l] * batch * 2;
+    const int ld_dz = s.layer_out_padded(l);
+    // Column-major view: dW^T (in x out) = h^T (in x batch) * dz (batch x out); row-major dW is PyTorch's layout.
+    check_cublas(cublasGemmEx(m.cublas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, k, &alpha, h, t, ld_h, dz, t, ld_dz, &beta,
+                              grads + offset, CUDA_R_32F, in, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmEx (MLP weight gradient)");
+    offset += int64_t(in) * out;
+    if (s.has_bias(l)) {
+      check_cublas(cublasGemmEx(m.cublas, CUBLAS_OP_N, CUBLAS_OP_N, out, 1, k, &alpha, dz, t, ld_dz, ones, t, k,
+                                &beta, grads + offset, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                   "cublasGemmEx (MLP bias gradient)");
+      offset += out;
+    }
+  }
+}
+
+}  // namespace kfuse

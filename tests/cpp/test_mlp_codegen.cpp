@@ -1,0 +1,304 @@
+// CPU tier of the generated fused MLP: spec validation, the activation table, the generated source compiling with
+// NVRTC (PTX for compute_80 / compute_90 and CUBIN for sm_90; no GPU needed), user expressions that do not compile,
+// and the disk cache of compiled kernels.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "codegen/kernel_cache.h"
+#include "codegen/mlp_codegen.h"
+#include "codegen/mlp_layout.h"
+#include "codegen/nvrtc_compiler.h"
+#include "kfuse/error.h"
+#include "kfuse/mlp.h"
+
+namespace kfuse {
+namespace {
+
+namespace fs = std::filesystem;
+
+MlpSpec make_spec(int in, std::vector<int> hidden, int out, const std::string& act = "relu",
+                  MlpDType dtype = MlpDType::kFloat16) {
+  MlpSpec s;
+  s.input_width = in;
+  s.hidden_widths = hidden;
+  s.output_width = out;
+  s.activations.assign(hidden.size(), builtin_activation(act));
+  s.output_activation = builtin_activation("identity");
+  s.dtype = dtype;
+  return s;
+}
+
+template <class Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "<no InvalidArgument>";
+}
+
+// ---- spec validation ---------------------------------------------------------------------------------------------
+
+TEST(MlpSpec, AcceptsTheIssueShapes) {
+  for (int w : {16, 32, 48, 64, 80, 128, 256}) EXPECT_NO_THROW(make_spec(32, {w, w, w, w}, 16).validate()) << w;
+  EXPECT_NO_THROW(make_spec(3, {64, 128, 32}, 1).validate());
+  EXPECT_EQ(make_spec(3, {64}, 5).num_parameters(), 64 * 3 + 64 + 5 * 64 + 5);
+}
+
+TEST(MlpSpec, RejectsBadWidthsNamingTheProblem) {
+  EXPECT_NE(error_of([] { make_spec(32, {64, 40}, 16).validate(); }).find("hidden width 1 is 40"), std::string::npos);
+  EXPECT_NE(error_of([] { make_spec(32, {64, 40}, 16).validate(); }).find("multiples of 16"), std::string::npos);
+  EXPECT_NE(error_of([] { make_spec(32, {272}, 16).validate(); }).find("at most 256"), std::string::npos);
+  EXPECT_NE(error_of([] { make_spec(0, {64}, 16).validate(); }).find("input width"), std::string::npos);
+  EXPECT_NE(error_of([] { make_spec(32, {64}, 300).validate(); }).find("output width"), std::string::npos);
+  EXPECT_NE(error_of([] { make_spec(32, {}, 16).validate(); }).find("at least one hidden layer"), std::string::npos);
+  MlpSpec s = make_spec(32, {64, 64}, 16);
+  s.activations.pop_back();
+  EXPECT_NE(error_of([&] { s.validate(); }).find("one activation per hidden layer"), std::string::npos);
+  s = make_spec(32, {64, 64}, 16);
+  s.bias = {true, false};
+  EXPECT_NE(error_of([&] { s.validate(); }).find("one bias flag per layer (3)"), std::string::npos);
+}
+
+TEST(MlpActivations, TableAndDerivativeInputs) {
+  for (const std::string& n : builtin_activation_names()) EXPECT_EQ(builtin_activation(n).name, n);
+  EXPECT_NE(error_of([] { builtin_activation("swish2"); }).find("unknown activation 'swish2'"), std::string::npos);
+  EXPECT_TRUE(builtin_activation("relu").derivative_uses_y());
+  EXPECT_FALSE(builtin_activation("relu").derivative_uses_x());
+  EXPECT_TRUE(builtin_activation("silu").derivative_uses_x());
+  EXPECT_TRUE(builtin_activation("gelu").derivative_uses_x());
+  EXPECT_FALSE(builtin_activation("identity").derivative_uses_x());
+  EXPECT_FALSE(builtin_activation("identity").derivative_uses_y());
+  // "exp" and "max" contain x but are not x.
+  Activation a{"my", "expf(x)", "expf(fmaxf(y, 0.0f))"};
+  EXPECT_FALSE(a.derivative_uses_x());
+  EXPECT_TRUE(a.derivative_uses_y());
+  EXPECT_EQ(builtin_activation("leaky_relu", 0.2).expression, "(x > 0.0f ? x : 0.2f * x)");
+  EXPECT_TRUE(builtin_activation("leaky_relu", -0.5).derivative_uses_x());  // y's sign no longer tells x's
+  EXPECT_NE(builtin_activation("softplus", 2.0).expression.find("2.0f"), std::string::npos);
+}
+
+TEST(MlpActivations, UserSyntaxChecks) {
+  EXPECT_NE(error_of([] { Activation{"bad", "x; x", "1.0f"}.check_syntax(); }).find("single CUDA expression"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { Activation{"bad name", "x", "1.0f"}.check_syntax(); }).find("letters, digits"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { Activation{"f", "y * x", "1.0f"}.check_syntax(); }).find("may use x only"),
+            std::string::npos);
+}
+
+TEST(MlpActivations, UserExpressionThatDoesNotCompileQuotesNvrtc) {
+  const std::string msg = error_of([] { user_activation("mine", "x / (1.0f + fabsf(x)", "1.0f"); });
+  EXPECT_NE(msg.find("activation 'mine' does not compile"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("x / (1.0f + fabsf(x)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("NVRTC's log"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("error"), std::string::npos) << msg;  // the log itself
+  const std::string msg2 = error_of([] { user_activation("mine", "x", "undefined_function(x)"); });
+  EXPECT_NE(msg2.find("undefined_function"), std::string::npos) << msg2;
+  EXPECT_NO_THROW(user_activation("softsign", "x / (1.0f + fabsf(x))",
+                                  "1.0f / ((1.0f + fabsf(x)) * (1.0f + fabsf(x)))"));
+}
+
+// ---- layout and variants -------------------------------------------------------------------------------------------
+
+TEST(MlpLayout, RegionsAlignedAndStashOnlyWhatBackwardNeeds) {
+  MlpSpec s = make_spec(3, {64, 48}, 5);
+  s.activations[1] = builtin_activation("silu");  // needs its pre-activation
+  const codegen::MlpLayout m = codegen::mlp_layout(s);
+  EXPECT_EQ(m.bwd_region_byte_offset % 16, 0);
+  EXPECT_EQ(m.bias_byte_offset % 16, 0);
+  EXPECT_EQ(m.packed_bytes % 16, 0);
+  EXPECT_EQ(m.fwd_region_halves, 64 * (16 + 8) + 48 * (64 + 8) + 16 * (48 + 8));
+  EXPECT_EQ(m.stash_h_offset, (std::vector<int64_t>{0, 64, -1}));
+  EXPECT_EQ(m.stash_z_offset, (std::vector<int64_t>{-1, 112, -1}));
+  EXPECT_EQ(m.stash_elements_per_row, 64 + 48 + 48);
+  EXPECT_EQ(m.dz_elements_per_row, 64 + 48 + 16);
+}
+
+TEST(MlpVariants, DefaultFitsAndStreamsWhenWeightsDoNot) {
+  const MlpSpec small = make_spec(32, {64, 64, 64, 64}, 16);
+  const MlpVariant v = mlp_default_variant(small, 227 * 1024);
+  EXPECT_TRUE(v.weights_resident);
+  EXPECT_EQ(v.m_tiles, 2);
+  const MlpSpec big = make_spec(32, {256, 256, 256, 256}, 16);
+  const MlpVariant b = mlp_default_variant(big, 227 * 1024);
+  EXPECT_FALSE(b.weights_resident);  // 4 x 128 KiB of weights
+  EXPECT_LE(mlp_forward_smem_bytes(big, b), 227u * 1024);
+  EXPECT_LE(mlp_backward_smem_bytes(big, b), 227u * 1024);
+  for (const MlpVariant& c : mlp_candidate_variants(big, 227 * 1024))
+    EXPECT_LE(std::max(mlp_forward_smem_bytes(big, c), mlp_backward_smem_bytes(big, c)), 227u * 1024) << c.name();
+  EXPECT_GE(mlp_candidate_variants(small, 227 * 1024).size(), 4u);
+}
+
+// ---- generated source through NVRTC ---------------------------------------------------------------------------------
+
+struct CompileCase {
+  std::string label;
+  MlpSpec spec;
+  MlpVariant variant;
+  std::string arch;
+};
+
+std::vector<CompileCase> compile_cases() {
+  std::vector<CompileCase> cases;
+  cases.push_back({"w64_relu_resident_sm80", make_spec(32, {64, 64, 64, 64}, 16), {2, 4, true, 64}, "compute_80"});
+  cases.push_back({"w64_relu_resident_sm90_cubin", make_spec(32, {64, 64, 64, 64}, 16), {2, 4, true, 64}, "sm_90"});
+  MlpSpec mixed = make_spec(3, {16, 48, 80}, 5, "gelu", MlpDType::kBFloat16);
+  mixed.activations[1] = builtin_activation("silu");
+  mixed.output_activation = builtin_activation("sigmoid");
+  mixed.bias = {true, false, true, false};
+  cases.push_back({"mixed_bf16_streamed_sm80", mixed, {1, 4, false, 32}, "compute_80"});
+  cases.push_back({"mixed_bf16_resident_sm90", mixed, {1, 8, true, 64}, "compute_90"});
+  MlpSpec acts = make_spec(17, {32, 32, 32, 32, 32}, 2);
+  acts.activations = {builtin_activation("leaky_relu"), builtin_activation("tanh"), builtin_activation("softplus"),
+                      Activation{"softsign", "x / (1.0f + fabsf(x))", "1.0f / ((1.0f + fabsf(x)) * (1.0f + fabsf(x)))"},
+                      builtin_activation("identity")};
+  cases.push_back({"all_activations_user_sm80", acts, {2, 4, true, 64}, "compute_80"});
+  cases.push_back({"w256_streamed_sm90", make_spec(32, {256, 256}, 16), {1, 8, false, 64}, "sm_90"});
+  return cases;
+}
+
+class MlpSourceCompiles : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(MlpSourceCompiles, WithNvrtc) {
+  const CompileCase c = compile_cases()[GetParam()];
+  const std::string src = codegen::generate_mlp_source(c.spec, c.variant);
+  EXPECT_EQ(src, codegen::generate_mlp_source(c.spec, c.variant)) << "generation must be deterministic";
+  codegen::CompiledProgram p;
+  ASSERT_NO_THROW(p = codegen::nvrtc_compile(src, c.label + ".cu", c.arch)) << c.label;
+  EXPECT_GT(p.binary.size(), 1000u);
+  EXPECT_EQ(p.is_cubin, c.arch.rfind("sm_", 0) == 0);
+  if (!p.is_cubin) {
+    for (const char* k : {"kfuse_mlp_pack", "kfuse_mlp_forward", "kfuse_mlp_forward_train", "kfuse_mlp_backward",
+                          "kfuse_mlp_backward_dx", "mma.sync.aligned.m16n8k16", "ldmatrix"})
+      EXPECT_NE(p.binary.find(k), std::string::npos) << c.label << " lacks " << k;
+    EXPECT_NE(p.binary.find(c.spec.dtype == MlpDType::kBFloat16 ? ".bf16.bf16" : ".f16.f16"), std::string::npos);
+    if (!c.variant.weights_resident) EXPECT_NE(p.binary.find("cp.async"), std::string::npos);
+    // Everything stays in registers: no local-memory arrays.
+    EXPECT_EQ(p.binary.find(".local"), std::string::npos) << c.label << " spills fragment arrays to local memory";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MlpSourceCompiles, ::testing::Range<size_t>(0, compile_cases().size()),
+                         [](const auto& info) { return compile_cases()[info.param].label; });
+
+TEST(MlpNvrtc, VersionArchsAndTargets) {
+  EXPECT_NE(codegen::nvrtc_version().find('.'), std::string::npos);
+  EXPECT_FALSE(codegen::nvrtc_supported_archs().empty());
+  EXPECT_EQ(codegen::nvrtc_target_for(9, 0), "sm_90");
+  EXPECT_EQ(codegen::nvrtc_target_for(8, 0), "sm_80");
+  EXPECT_EQ(codegen::nvrtc_target_for(99, 9).rfind("compute_", 0), 0u);  // unknown: PTX for the newest it knows
+}
+
+TEST(MlpNvrtc, CompileErrorCarriesTheLog) {
+  try {
+    codegen::nvrtc_compile("__global__ void k() { int a = ; }", "broken.cu", "compute_80");
+    FAIL() << "no CompileError";
+  } catch (const codegen::CompileError& e) {
+    EXPECT_NE(std::string(e.what()).find("broken.cu"), std::string::npos);
+    EXPECT_NE(e.log().find("expected an expression"), std::string::npos) << e.log();
+  }
+}
+
+// ---- disk cache ------------------------------------------------------------------------------------------------------
+
+class KernelCacheTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("kfuse_kernel_cache_test_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  codegen::KernelCache cache() {
+    return codegen::KernelCache(dir_.string(), [this](const std::string& m) { warnings_.push_back(m); });
+  }
+  codegen::KernelCacheKey key(const std::string& arch = "sm_90", const std::string& nvrtc = "13.0") {
+    return {codegen::fnv1a64_hex("source text"), arch, nvrtc, codegen::nvrtc_options_string()};
+  }
+  fs::path dir_;
+  std::vector<std::string> warnings_;
+};
+
+TEST_F(KernelCacheTest, MissStoreHit) {
+  auto c = cache();
+  EXPECT_FALSE(c.load(key()).has_value());
+  std::string binary("\x7f" "ELF\0\1\2 binary with a NUL", 26);
+  c.store(key(), binary);
+  EXPECT_TRUE(fs::exists(c.path_for(key())));
+  const auto hit = c.load(key());
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(*hit, binary);
+  EXPECT_TRUE(warnings_.empty());
+  // No temporary files left behind.
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir_)) files += e.is_regular_file();
+  EXPECT_EQ(files, 1);
+}
+
+TEST_F(KernelCacheTest, KeyIncludesArchitectureAndNvrtcVersion) {
+  auto c = cache();
+  c.store(key("sm_90", "13.0"), "A");
+  EXPECT_NE(key("sm_90", "13.0").file_name(), key("sm_80", "13.0").file_name());
+  EXPECT_NE(key("sm_90", "13.0").file_name(), key("sm_90", "13.1").file_name());
+  EXPECT_FALSE(c.load(key("sm_80", "13.0")).has_value());
+  EXPECT_FALSE(c.load(key("sm_90", "13.1")).has_value());
+  EXPECT_TRUE(c.load(key("sm_90", "13.0")).has_value());
+}
+
+TEST_F(KernelCacheTest, CorruptFileIsIgnoredWithAWarningAndRebuilt) {
+  auto c = cache();
+  const std::string binary(5000, 'b');
+  c.store(key(), binary);
+  const std::string path = c.path_for(key());
+  {  // flip a payload byte
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-10, std::ios::end);
+    f.put('X');
+  }
+  EXPECT_FALSE(c.load(key()).has_value());
+  ASSERT_EQ(warnings_.size(), 1u);
+  EXPECT_NE(warnings_[0].find("corrupt"), std::string::npos) << warnings_[0];
+  // Truncated.
+  fs::resize_file(path, 100);
+  EXPECT_FALSE(c.load(key()).has_value());
+  EXPECT_EQ(warnings_.size(), 2u);
+  // Garbage.
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << "not a cache file";
+  EXPECT_FALSE(c.load(key()).has_value());
+  EXPECT_EQ(warnings_.size(), 3u);
+  // Rebuilt: a store replaces it and it loads again.
+  c.store(key(), binary);
+  EXPECT_EQ(c.load(key()).value_or(""), binary);
+  EXPECT_EQ(warnings_.size(), 3u);
+}
+
+TEST_F(KernelCacheTest, FileOfAnotherKeyUnderTheSameNameIsNotLoaded) {
+  auto c = cache();
+  c.store(key(), "payload");
+  codegen::KernelCacheKey other = key();
+  other.options = "--other";
+  fs::copy_file(c.path_for(key()), c.path_for(other));
+  EXPECT_FALSE(c.load(other).has_value());
+  ASSERT_EQ(warnings_.size(), 1u);
+  EXPECT_NE(warnings_[0].find("another key"), std::string::npos);
+}
+
+TEST_F(KernelCacheTest, DefaultFolderFollowsKfuseCacheDir) {
+  const char* old = std::getenv("KFUSE_CACHE_DIR");
+  const std::string saved = old ? old : "";
+  ::setenv("KFUSE_CACHE_DIR", dir_.c_str(), 1);
+  EXPECT_EQ(codegen::KernelCache::default_dir(), (dir_ / "kernels").string());
+  if (old) ::setenv("KFUSE_CACHE_DIR", saved.c_str(), 1);
+  else ::unsetenv("KFUSE_CACHE_DIR");
+}
+
+}  // namespace
+}  // namespace kfuse

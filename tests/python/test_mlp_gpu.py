@@ -1,0 +1,262 @@
+"""kfuse.FusedMLP, GPU tier (skipped without a CUDA device): forward and backward of the generated kernels against
+a float64 reference for the issue's widths, batches and activations; poisoned outputs; dL/dx; autograd; the kernel
+cache across engines."""
+
+import gc
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import kfuse
+from kfuse import Activation, FusedMLP
+
+pytestmark = pytest.mark.skipif(not kfuse.cuda_available(), reason="needs a CUDA GPU (sm_80+) and a CUDA build")
+
+WIDTHS = [16, 32, 48, 64, 80, 128, 256]
+BATCHES = [1, 127, 65539]
+BUILTINS = ["relu", "leaky_relu", "sigmoid", "tanh", "silu", "gelu", "softplus", "identity"]
+# Normwise relative error bounds: a few units of the storage format's rounding through the layers, and never
+# worse than 4x PyTorch's own error in the same dtype (whichever is larger).
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def softsign():
+    return Activation("softsign", "x / (1.0f + fabsf(x))", "1.0f / ((1.0f + fabsf(x)) * (1.0f + fabsf(x)))",
+                      torch_fn=lambda x: x / (1 + x.abs()))
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make(in_w, hidden, out_w, act="relu", out_act="identity", dtype=torch.float16, seed=0, bias=True):
+    torch.manual_seed(seed)
+    m = FusedMLP(in_w, out_w, hidden, activation=act, output_activation=out_act, bias=bias)
+    with torch.no_grad():  # biases of the size of the weights' contribution: they matter
+        for layer in m.layers:
+            if layer.bias is not None:
+                layer.bias.uniform_(-0.5, 0.5)
+    return m.cuda().to(dtype)
+
+
+def reference(m: FusedMLP, x: torch.Tensor, dtype=torch.float64):
+    """The same MLP in plain PyTorch at `dtype` (float64: the reference; the module's dtype: PyTorch's own error)."""
+    ref = FusedMLP(m.input_width, m.output_width, m.hidden_widths, m.activations, m.output_activation, m.bias_flags)
+    ref.load_state_dict(m.state_dict())
+    ref = ref.to(device=x.device, dtype=dtype)
+    return ref, ref.forward_torch(x.to(dtype))
+
+
+def check_forward_backward(m, x, dtype, need_dx=True):
+    x = x.detach().clone().requires_grad_(need_dx)
+    y = m(x)
+    assert y.dtype == dtype and y.shape == (x.shape[0], m.output_width)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref64, y64 = reference(m, x.detach().requires_grad_(need_dx), torch.float64)
+    xr = x.detach().double().requires_grad_(need_dx)
+    y64 = ref64.forward_torch(xr)
+    y64.backward(dy.double())
+    refh, _ = reference(m, x.detach(), dtype)
+    xh = x.detach().clone().requires_grad_(need_dx)
+    yh = refh.forward_torch(xh)
+    yh.backward(dy)
+    bound = lambda torch_err: max(TOL[dtype], 4 * torch_err)  # noqa: E731
+    assert rel(y, y64) <= bound(rel(yh, y64)), f"forward: {rel(y, y64):.2e} (torch {rel(yh, y64):.2e})"
+    for (name, p), p64, ph in zip(m.named_parameters(), ref64.parameters(), refh.parameters()):
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+        e, et = rel(p.grad, p64.grad), rel(ph.grad, p64.grad)
+        assert e <= bound(et), f"{name}.grad: {e:.2e} (torch {et:.2e})"
+    if need_dx:
+        e, et = rel(x.grad, xr.grad), rel(xh.grad, xr.grad)
+        assert e <= bound(et), f"dL/dx: {e:.2e} (torch {et:.2e})"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_widths_and_batches_fp16(width, batch):
+    m = make(32, [width] * 4, 16)
+    x = torch.randn(batch, 32, device="cuda")
+    check_forward_backward(m, x, torch.float16)
+
+
+@pytest.mark.parametrize("act", BUILTINS + ["user"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_activation(act, dtype):
+    a = softsign() if act == "user" else act
+    m = make(19, [64, 48, 80], 7, act=a, out_act=a if act in ("sigmoid", "tanh", "user") else "identity",
+             dtype=dtype, seed=3)
+    check_forward_backward(m, torch.randn(127, 19, device="cuda"), dtype)
+
+
+@pytest.mark.parametrize("width", [64, 256])
+def test_bf16_and_odd_io_widths(width):
+    m = make(3, [width, 16, width], 5, act="silu", dtype=torch.bfloat16, bias=[True, False, True, False])
+    check_forward_backward(m, torch.randn(65539, 3, device="cuda"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", [(1, 4, True, 64), (2, 4, True, 64), (1, 8, False, 32), (2, 4, False, 64)])
+def test_every_variant_agrees_with_the_reference(variant):
+    m = make(32, [64, 128, 64], 16, act="gelu")
+    engine = m.engine(torch.device("cuda", 0), torch.float16, variant)
+    m._engines[(0, torch.float16, None)] = engine  # forward() uses this variant
+    check_forward_backward(m, torch.randn(1000, 32, device="cuda"), torch.float16)
+
+
+def test_outputs_poisoned_before_the_run_are_overwritten():
+    m = make(32, [64, 64], 10, act="tanh")
+    dev = torch.device("cuda", 0)
+    e = m.engine(dev, torch.float16)
+    params = m._params()
+    packed = m._packed_weights(e, params, torch.float16)
+    batch = 333
+    x = torch.randn(batch, 32, device=dev, dtype=torch.float16)
+    stream = torch.cuda.current_stream().cuda_stream
+    for train in (False, True):
+        y = torch.full((batch, 10), float("nan"), device=dev, dtype=torch.float16)
+        stash = torch.full((e.stash_bytes(batch),), 0xFF, dtype=torch.uint8, device=dev)
+        (e.forward_train(packed, x, y, stash, stream) if train else e.forward(packed, x, y, stream))
+        torch.cuda.synchronize()
+        assert torch.isfinite(y).all()
+        _, y64 = reference(m, x, torch.float64)
+        assert rel(y, y64) < TOL[torch.float16]
+    dy = torch.randn(batch, 10, device=dev, dtype=torch.float16)
+    ws = torch.full((e.backward_workspace_bytes(batch),), 0xFF, dtype=torch.uint8, device=dev)
+    grads = torch.full((e.num_parameters,), float("nan"), device=dev)
+    dx = torch.full((batch, 32), float("nan"), device=dev, dtype=torch.float16)
+    e.backward(packed, x, y, dy, stash, ws, grads, dx, stream)
+    torch.cuda.synchronize()
+    assert torch.isfinite(grads).all() and torch.isfinite(dx).all()
+    ref, y64 = reference(m, x.detach().requires_grad_(True), torch.float64)
+    xr = x.double().requires_grad_(True)
+    ref.forward_torch(xr).backward(dy.double())
+    flat = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    assert rel(grads, flat) < 1e-2
+    assert rel(dx, xr.grad) < 1e-2
+
+
+def test_dx_only_when_asked_and_parameter_grads_only_when_needed():
+    m = make(32, [64, 64], 16)
+    x = torch.randn(100, 32, device="cuda", dtype=torch.float16)
+    m(x).sum().backward()  # x does not require grad: no dL/dx
+    assert x.grad is None and all(p.grad is not None for p in m.parameters())
+    m.zero_grad(set_to_none=True)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    xg = x.clone().requires_grad_(True)
+    m(xg).sum().backward()
+    assert xg.grad is not None and all(p.grad is None for p in m.parameters())
+
+
+def test_autograd_training_loop_follows_pytorch_and_accumulates():
+    torch.manual_seed(5)
+    target = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).cuda()
+    m = make(8, [64, 64], 4)
+    plain, _ = reference(m, torch.zeros(1, 8, device="cuda"), torch.float16)  # same weights, PyTorch ops
+    x = torch.randn(4096, 8, device="cuda")
+    with torch.no_grad():
+        t = target(x).half()
+    losses = {}
+    for name, mod, fwd in (("kfuse", m, m), ("torch", plain, plain.forward_torch)):
+        opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+        curve = []
+        for _ in range(30):
+            opt.zero_grad()
+            loss = (fwd(x.half()).float() - t.float()).square().mean()
+            loss.backward()
+            opt.step()  # parameters change in place: kfuse's next forward repacks them
+            curve.append(loss.item())
+        losses[name] = curve
+    k, p = losses["kfuse"], losses["torch"]
+    assert k[-1] < 0.9 * k[0], k
+    for a, b in zip(k, p):
+        assert abs(a - b) <= 0.05 * b + 1e-4, (k, p)
+    # Two backward passes accumulate into .grad like any module.
+    m.zero_grad()
+    m(x[:10].half()).sum().backward()
+    g1 = m.layers[0].weight.grad.clone()
+    m(x[:10].half()).sum().backward()
+    torch.testing.assert_close(m.layers[0].weight.grad, 2 * g1, rtol=1e-2, atol=1e-3)
+
+
+def test_inference_mode_and_float32_module():
+    torch.manual_seed(2)
+    seq = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16)).cuda()
+    m = FusedMLP.from_torch(seq)  # float32: computes in float16, returns float32
+    x = torch.randn(5, 7, 32, device="cuda")
+    with torch.inference_mode():
+        y = m(x)
+    assert y.dtype == torch.float32 and y.shape == (5, 7, 16)
+    assert rel(y, seq.double()(x.double())) < 5e-3
+    m.zero_grad()
+    m(x).sum().backward()
+    assert m.layers[0].weight.grad.dtype == torch.float32
+
+
+def test_device_and_shape_errors():
+    m = make(32, [64], 16)
+    with pytest.raises(ValueError, match="parameters are on"):
+        m(torch.randn(4, 32))
+    with pytest.raises(ValueError, match=r"\(\.\.\., 32\)"):
+        m(torch.randn(4, 31, device="cuda"))
+    e = m.engine(torch.device("cuda", 0), torch.float16)
+    packed = m._packed_weights(e, m._params(), torch.float16)
+    x = torch.randn(4, 32, device="cuda", dtype=torch.float16)
+    s = torch.cuda.current_stream().cuda_stream
+    with pytest.raises(ValueError, match="output has shape"):
+        e.forward(packed, x, torch.empty(4, 15, device="cuda", dtype=torch.float16), s)
+    with pytest.raises(ValueError, match="expected float16"):
+        e.forward(packed, x.float(), torch.empty(4, 16, device="cuda", dtype=torch.float16), s)
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        e.forward(packed, x.cpu(), torch.empty(4, 16, device="cuda", dtype=torch.float16), s)
+    with pytest.raises(ValueError, match="packed weight buffer holds"):
+        e.forward(packed[:16], x, torch.empty(4, 16, device="cuda", dtype=torch.float16), s)
+
+
+def test_kernel_cache_reuse(tmp_path, monkeypatch):
+    monkeypatch.setenv("KFUSE_CACHE_DIR", str(tmp_path))
+    # A spec no other test uses, so that neither the process's module registry nor an old cache has it.
+    m = make(29, [48, 112], 3, act="softplus", seed=9)
+    e = m.engine(torch.device("cuda", 0), torch.float16)
+    info = e.build_info
+    assert not info["from_disk_cache"] and not info["from_memory"] and info["compile_seconds"] > 0
+    assert os.path.dirname(info["cache_file"]) == str(tmp_path / "kernels") and os.path.exists(info["cache_file"])
+    x = torch.randn(50, 29, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        y1 = m(x)
+    m2 = make(29, [48, 112], 3, act="softplus", seed=9)
+    assert m2.engine(torch.device("cuda", 0), torch.float16).build_info["from_memory"]
+    del e, m2
+    m._engines.clear()
+    m._packed = None
+    gc.collect()
+    e3 = m.engine(torch.device("cuda", 0), torch.float16)
+    info3 = e3.build_info
+    assert info3["from_disk_cache"] and info3["compile_seconds"] == 0
+    assert info3["cache_file"] == info["cache_file"]
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), y1, rtol=0, atol=0)
+    # A corrupt file is ignored (warning on stderr) and rebuilt.
+    with open(info["cache_file"], "r+b") as f:
+        f.seek(-20, os.SEEK_END)
+        f.write(b"\0" * 8)
+    del e3
+    m._engines.clear()
+    m._packed = None
+    gc.collect()
+    info4 = m.engine(torch.device("cuda", 0), torch.float16).build_info
+    assert not info4["from_disk_cache"] and info4["compile_seconds"] > 0
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), y1, rtol=0, atol=0)
+
+
+def test_compile_and_cache_load_times_are_reported():
+    m = make(32, [64] * 4, 16, seed=11)
+    info = m.engine(torch.device("cuda", 0), torch.float16).build_info
+    assert info["arch"].startswith(("sm_", "compute_"))
+    assert math.isfinite(info["compile_seconds"]) and math.isfinite(info["load_seconds"])
