@@ -120,6 +120,17 @@ std::string DgradChoice::name() const {
   return "?";
 }
 
+std::vector<uint16_t> flip_filters(const Conv2dProblem& p, const std::vector<uint16_t>& w) {
+  std::vector<uint16_t> f(w.size());
+  for (int k = 0; k < p.k; ++k)
+    for (int r = 0; r < p.r; ++r)
+      for (int s = 0; s < p.s; ++s)
+        for (int c = 0; c < p.c; ++c)
+          f[((size_t(c) * p.r + (p.r - 1 - r)) * p.s + (p.s - 1 - s)) * p.k + k] =
+              w[((size_t(k) * p.r + r) * p.s + s) * p.c + c];
+  return f;
+}
+
 Conv2dProblem flipped_forward_problem(const Conv2dProblem& p) {
   Conv2dProblem f = p;
   f.c = p.k;
@@ -248,18 +259,12 @@ struct BackwardConvTuningScratch::Buffers {
     upload_random(dy, dy_elems, 1.0f, dtype, 4321u);
     upload_random(x, x_elems, 1.0f, dtype, 8765u);
     const float ws_scale = 1.0f / std::sqrt(float(p.r * p.s * p.c));
-    std::vector<uint16_t> hw(w_elems), hf(w_elems);
+    std::vector<uint16_t> hw(w_elems);
     {
       upload_random(w, w_elems, ws_scale, dtype, 2468u);
       check_cuda(cudaMemcpy(hw.data(), w, 2 * w_elems, cudaMemcpyDeviceToHost), "cudaMemcpy (tuning w)");
     }
-    // w_flip[c][r][s][k] = w[k][R-1-r][S-1-s][c]
-    for (int k = 0; k < p.k; ++k)
-      for (int r = 0; r < p.r; ++r)
-        for (int s = 0; s < p.s; ++s)
-          for (int c = 0; c < p.c; ++c)
-            hf[((size_t(c) * p.r + (p.r - 1 - r)) * p.s + (p.s - 1 - s)) * p.k + k] =
-                hw[((size_t(k) * p.r + r) * p.s + s) * p.c + c];
+    const std::vector<uint16_t> hf = flip_filters(p, hw);
     check_cuda(cudaMemcpy(w_flip, hf.data(), 2 * w_elems, cudaMemcpyHostToDevice), "cudaMemcpy (tuning w_flip)");
   }
 };
@@ -283,9 +288,7 @@ WgradChoice BackwardConvTuningScratch::tune_wgrad(const Conv2dProblem& p, ConvDT
   const TuningKey key = device_tuning_key("conv2d_wgrad", conv_shape_key(p), dtype, names);
   const size_t w_elems = size_t(p.k) * p.r * p.s * p.c;
 
-  std::unique_ptr<CandidateTimer> timer;
-  auto prepare = [&]() -> CandidateTimer& {
-    if (timer) return *timer;
+  auto make_timer = [&] {
     size_t ws = 0;
     for (const WgradChoice& c : cands) ws = std::max(ws, wgrad_workspace_bytes(c, p, dtype));
     b_->fill(p, dtype, 4 * w_elems, ws);
@@ -299,13 +302,9 @@ WgradChoice BackwardConvTuningScratch::tune_wgrad(const Conv2dProblem& p, ConvDT
     auto read = [&cands, read_f32, read_t](size_t i, cudaStream_t stream) {
       return cands[i].writes_t() ? read_t(i, stream) : read_f32(i, stream);
     };
-    timer = std::make_unique<CandidateTimer>(launch, poison_fn(b.out, 4 * w_elems), read, tolerance(dtype));
-    return *timer;
+    return std::make_unique<CandidateTimer>(launch, poison_fn(b.out, 4 * w_elems), read, tolerance(dtype));
   };
-  const TuningResult r = kfuse::tune(
-      cache, key, names, [&](size_t i) { return prepare().measure(i); },
-      [&](size_t i) { return prepare().check(i); }, 0, mode, options);
-  row = tuning_report(key, names, r, cache);
+  const TuningResult r = tune_op(cache, key, names, make_timer, mode, options, row);
   return cands[r.chosen];
 }
 
@@ -319,9 +318,7 @@ DgradChoice BackwardConvTuningScratch::tune_dgrad(const Conv2dProblem& p, ConvDT
   const TuningKey key = device_tuning_key("conv2d_dgrad", conv_shape_key(p), dtype, names);
   const size_t x_elems = size_t(p.n) * p.h * p.w * p.c;
 
-  std::unique_ptr<CandidateTimer> timer;
-  auto prepare = [&]() -> CandidateTimer& {
-    if (timer) return *timer;
+  auto make_timer = [&] {
     size_t ws = 0;
     for (const DgradChoice& c : cands) ws = std::max(ws, dgrad_workspace_bytes(c, p, dtype));
     b_->fill(p, dtype, 2 * x_elems, ws);
@@ -330,14 +327,10 @@ DgradChoice BackwardConvTuningScratch::tune_dgrad(const Conv2dProblem& p, ConvDT
       check_cuda(run_dgrad(cands[i], p, dtype, b.dy, b.w, b.w_flip, b.out, b.ws, b.ws_bytes, stream),
                  "data gradient " + cands[i].name() + " (tuning)");
     };
-    timer = std::make_unique<CandidateTimer>(launch, poison_fn(b.out, 2 * x_elems), read_t_fn(b.out, x_elems, dtype),
-                                             tolerance(dtype));
-    return *timer;
+    return std::make_unique<CandidateTimer>(launch, poison_fn(b.out, 2 * x_elems), read_t_fn(b.out, x_elems, dtype),
+                                            tolerance(dtype));
   };
-  const TuningResult r = kfuse::tune(
-      cache, key, names, [&](size_t i) { return prepare().measure(i); },
-      [&](size_t i) { return prepare().check(i); }, 0, mode, options);
-  row = tuning_report(key, names, r, cache);
+  const TuningResult r = tune_op(cache, key, names, make_timer, mode, options, row);
   return cands[r.chosen];
 }
 

@@ -3,6 +3,7 @@
 // by the tuner like the forward convolutions (conv_selection.h). All take the FORWARD problem p.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +50,8 @@ struct DgradChoice {
   // "fwd_sm80_128x64_k1", "strided_128x64", "cudnn_a1"
   std::string name() const;
 };
+// The flipped, transposed filters of problem p, [c][r][s][k] = w[k][R-1-r][S-1-s][c] (16-bit values, host).
+std::vector<uint16_t> flip_filters(const kernels::Conv2dProblem& p, const std::vector<uint16_t>& w);
 // The forward problem of a stride-1 data gradient with flipped filters: dy (p.k channels) -> dx (p.c channels).
 kernels::Conv2dProblem flipped_forward_problem(const kernels::Conv2dProblem& p);
 // The built-in choice: stride 1 runs the flipped forward with `fprop` (the forward conv's configuration for

@@ -162,9 +162,7 @@ ConvConfig ConvTuningScratch::tune(const Conv2dProblem& p, ConvDType dtype, bool
     ws = std::max(ws, kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k));
 
   // Cached choices need no buffers; everything else runs on random data of the problem's size.
-  std::unique_ptr<CandidateTimer> timer;
-  auto prepare = [&]() -> CandidateTimer& {
-    if (timer) return *timer;
+  auto make_timer = [&] {
     reserve(2 * x_elems, 2 * w_elems, 2 * y_elems, ws);
     upload_random(x_, x_elems, 1.0f, dtype, 1234u);
     upload_random(w_, w_elems, 1.0f / std::sqrt(float(gemm_k(p))), dtype, 5678u);
@@ -176,14 +174,10 @@ ConvConfig ConvTuningScratch::tune(const Conv2dProblem& p, ConvDType dtype, bool
     };
     // All candidates accumulate in fp32: they differ by summation order and one rounding of the output (~1e-3 in
     // fp16, ~8e-3 in bf16).
-    timer = std::make_unique<CandidateTimer>(launch, poison_fn(y_, 2 * y_elems), read_t_fn(y_, y_elems, dtype),
-                                             dtype == ConvDType::kF16 ? 5e-3 : 2e-2);
-    return *timer;
+    return std::make_unique<CandidateTimer>(launch, poison_fn(y_, 2 * y_elems), read_t_fn(y_, y_elems, dtype),
+                                            dtype == ConvDType::kF16 ? 5e-3 : 2e-2);
   };
-  const TuningResult r = kfuse::tune(
-      cache, key, names, [&](size_t i) { return prepare().measure(i); },
-      [&](size_t i) { return prepare().check(i); }, 0, mode, options);
-  row = tuning_report(key, names, r, cache);
+  const TuningResult r = tune_op(cache, key, names, make_timer, mode, options, row);
   return cands[r.chosen];
 }
 

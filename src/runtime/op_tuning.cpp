@@ -64,6 +64,21 @@ void upload_random(void* dst, size_t elems, float scale, kernels::ConvDType dtyp
   check_cuda(cudaMemcpy(dst, h.data(), 2 * elems, cudaMemcpyHostToDevice), "cudaMemcpy (tuning inputs)");
 }
 
+TuningResult tune_op(TuningCache& cache, const TuningKey& key, const std::vector<std::string>& names,
+                     const std::function<std::unique_ptr<CandidateTimer>()>& make_timer, TuningMode mode,
+                     const TunerOptions& options, OpTuningReport& row) {
+  std::unique_ptr<CandidateTimer> timer;
+  auto get = [&]() -> CandidateTimer& {
+    if (!timer) timer = make_timer();
+    return *timer;
+  };
+  const TuningResult r = kfuse::tune(
+      cache, key, names, [&](size_t i) { return get().measure(i); }, [&](size_t i) { return get().check(i); }, 0,
+      mode, options);
+  row = tuning_report(key, names, r, cache);
+  return r;
+}
+
 CandidateTimer::Poison poison_fn(void* out, size_t bytes) {
   return [out, bytes](size_t, cudaStream_t stream) {
     check_cuda(cudaMemsetAsync(out, 0xff, bytes, stream), "cudaMemset (tuning)");
@@ -94,7 +109,9 @@ CandidateTimer::CandidateTimer(Launch launch, Poison poison, Read read, double r
     : launch_(std::move(launch)), poison_(std::move(poison)), read_(std::move(read)), rel_tol_(rel_tol) {
   check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate (tuning)");
   if (cudaEventCreate(&start_) != cudaSuccess || cudaEventCreate(&stop_) != cudaSuccess) {
-    this->~CandidateTimer();
+    // The destructor does not run for a constructor that throws: release what was created here.
+    if (start_) cudaEventDestroy(start_);
+    cudaStreamDestroy(stream_);
     throw Error("kfuse: cudaEventCreate failed (tuning)");
   }
 }

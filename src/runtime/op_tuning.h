@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,12 @@ class CandidateTimer {
   std::vector<double> ref_;
   int reps_ = 1;
 };
+
+// Tunes one op whose candidate 0 is the reference: the cached choice for `key`, or a tuning whose timer
+// `make_timer` builds on first need (cached choices need no buffers); `row` receives the report.
+TuningResult tune_op(TuningCache& cache, const TuningKey& key, const std::vector<std::string>& names,
+                     const std::function<std::unique_ptr<CandidateTimer>()>& make_timer, TuningMode mode,
+                     const TunerOptions& options, OpTuningReport& row);
 
 // Poison / Read functions for CandidateTimer: `bytes` of 0xff (NaN in fp16, bf16 and fp32) at `out`; `elems`
 // values of T (fp16 / bf16) or of fp32 at `out` read back.

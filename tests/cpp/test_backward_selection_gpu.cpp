@@ -132,13 +132,7 @@ TEST_P(BackwardCandidates, EveryDgradCandidateMatchesFloat64) {
   std::mt19937 rng(seed_for(std::string("dgrad-candidates/") + tc.name + dtype_name(dt)));
   const auto dy = random_nonzero_bits(grad_elems(p), dt, rng);
   const auto w = random_nonzero_bits(filter_elems(p), dt, rng);
-  std::vector<uint16_t> w_flip(w.size());  // [c][r][s][k] = w[k][R-1-r][S-1-s][c]
-  for (int k = 0; k < p.k; ++k)
-    for (int r = 0; r < p.r; ++r)
-      for (int s = 0; s < p.s; ++s)
-        for (int c = 0; c < p.c; ++c)
-          w_flip[((size_t(c) * p.r + (p.r - 1 - r)) * p.s + (p.s - 1 - s)) * p.k + k] =
-              w[((size_t(k) * p.r + r) * p.s + s) * p.c + c];
+  const std::vector<uint16_t> w_flip = kfuse::flip_filters(p, w);
   std::vector<char> covered;
   const std::vector<double> ref = kfuse::testing::reference_dgrad(p, dy, w, dt, &covered);
   DeviceBuffer d_dy, d_w, d_wf, d_dx;

@@ -101,6 +101,7 @@ struct Descriptors {
   cudnnFilterDescriptor_t w = nullptr;
   cudnnConvolutionDescriptor_t conv = nullptr;
   bool ok = false;
+  std::map<std::pair<int, int>, size_t> workspace;  // (op, algo) -> bytes (SIZE_MAX: unsupported), asked once
 };
 
 using ProblemKey = std::tuple<int, int, int, int, int, int, int, int, int, int, int, int>;
@@ -124,7 +125,7 @@ cudnnHandle_t handle_locked() {
   return h;
 }
 
-const Descriptors& descriptors_locked(const Conv2dProblem& p, ConvDType dtype) {
+Descriptors& descriptors_locked(const Conv2dProblem& p, ConvDType dtype) {
   static std::map<ProblemKey, Descriptors> cache;
   const ProblemKey key{p.n, p.h, p.w, p.c, p.k, p.r, p.s, p.pad_h, p.pad_w, p.stride_h, p.stride_w, int(dtype)};
   auto it = cache.find(key);
@@ -144,14 +145,17 @@ const Descriptors& descriptors_locked(const Conv2dProblem& p, ConvDType dtype) {
   return cache.emplace(key, d).first->second;
 }
 
-size_t workspace_locked(CudnnConvOp op, cudnnHandle_t h, const Descriptors& d, int algo) {
+// The workspace of one algorithm, asked of cuDNN once per (problem, op, algo): the launches run it on every call.
+size_t workspace_locked(CudnnConvOp op, cudnnHandle_t h, Descriptors& d, int algo) {
+  const auto key = std::make_pair(int(op), algo);
+  if (const auto it = d.workspace.find(key); it != d.workspace.end()) return it->second;
   size_t bytes = 0;
   const CudnnApi& a = api();
   const cudnnStatus_t s =
       op == CudnnConvOp::kDgrad
           ? a.dgrad_workspace(h, d.w, d.y, d.conv, d.x, cudnnConvolutionBwdDataAlgo_t(algo), &bytes)
           : a.wgrad_workspace(h, d.x, d.y, d.conv, d.w, cudnnConvolutionBwdFilterAlgo_t(algo), &bytes);
-  return s == CUDNN_STATUS_SUCCESS ? bytes : SIZE_MAX;
+  return d.workspace[key] = s == CUDNN_STATUS_SUCCESS ? bytes : SIZE_MAX;
 }
 
 }  // namespace
@@ -176,7 +180,7 @@ std::vector<int> cudnn_conv_algorithms(CudnnConvOp op, const Conv2dProblem& p, C
   if (!cudnn_available()) return out;
   std::lock_guard<std::mutex> lock(mutex());
   cudnnHandle_t h = handle_locked();
-  const Descriptors& d = descriptors_locked(p, dtype);
+  Descriptors& d = descriptors_locked(p, dtype);
   if (!d.ok) return out;
   const CudnnApi& a = api();
   constexpr int kMax = 16;
@@ -202,7 +206,7 @@ std::vector<int> cudnn_conv_algorithms(CudnnConvOp op, const Conv2dProblem& p, C
 size_t cudnn_conv_workspace_bytes(CudnnConvOp op, const Conv2dProblem& p, ConvDType dtype, int algo) {
   if (!cudnn_available()) return SIZE_MAX;
   std::lock_guard<std::mutex> lock(mutex());
-  const Descriptors& d = descriptors_locked(p, dtype);
+  Descriptors& d = descriptors_locked(p, dtype);
   return d.ok ? workspace_locked(op, handle_locked(), d, algo) : SIZE_MAX;
 }
 
@@ -210,10 +214,11 @@ namespace {
 cudaError_t run(CudnnConvOp op, const Conv2dProblem& p, ConvDType dtype, int algo, const void* dy, const void* other,
                 void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (!dy || !other || !out) return cudaErrorInvalidValue;
-  if (!cudnn_available()) return cudaErrorNotSupported;
-  std::lock_guard<std::mutex> lock(mutex());
+  if (!api().error.empty()) return cudaErrorNotSupported;
+  std::lock_guard<std::mutex> lock(mutex());  // one lock per launch; descriptors and workspace sizes are cached
   cudnnHandle_t h = handle_locked();
-  const Descriptors& d = descriptors_locked(p, dtype);
+  if (!h) return cudaErrorNotSupported;
+  Descriptors& d = descriptors_locked(p, dtype);
   if (!d.ok) return cudaErrorNotSupported;
   const size_t need = workspace_locked(op, h, d, algo);
   if (need == SIZE_MAX) return cudaErrorNotSupported;
