@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from . import _C, reference
-from .encoder import ResNetEncoder
+from .encoder import ResNetEncoder, tuning_verdict
 
 GPU_REQUIREMENT = "kfuse's fast paths need an NVIDIA GPU with compute capability 8.0 or newer (sm_80+)"
 
@@ -397,7 +397,9 @@ def tune_main(args) -> int:
                             {"choice": r["choice"], "default": r["default"], "from_cache": r["from_cache"],
                              "candidates": r["candidates"]})
         total = time.perf_counter() - t0
-        print(f"[tune] C={c}: {len(rows)} convolutions tuned in {total:.1f} s")
+        cached = sum(1 for r in rows if r["from_cache"])
+        print(f"[tune] C={c}: {len(rows)} convolutions in {total:.1f} s ({cached} from the cache)")
+        print(f"[tune] {tuning_verdict(rows)}")
         path = Path(args.out) / device_slug(meta["device"]) / f"tune-resnet-c{c}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"meta": meta, "total_s": round(total, 3), "rows": rows}, indent=1) + "\n")

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import _C, reference
 
-__all__ = ["ResNetEncoder", "format_tuning_table"]
+__all__ = ["ResNetEncoder", "format_tuning_table", "tuning_verdict"]
 
 _NO_AFFINE = ([], [])
 _VERSION = operator.attrgetter("_version")
@@ -25,15 +25,35 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 
 def format_tuning_table(rows: list[dict]) -> str:
-    """The tuning table: per op the default kernel's time, the tuned time, the spread and the choice."""
+    """The tuning table: per op the default kernel's time, cuDNN's best candidate, the tuned time, the spread and the
+    choice (times in us; '-' where unknown: cached rows have no cuDNN time, ops without a cuDNN candidate none)."""
     def ms(v):
-        return "-" if v is None else f"{v * 1e3:8.1f}"
-    lines = [f"{'op':<26} {'shape':<34} {'default us':>10} {'tuned us':>9} {'spread':>7}  choice"]
+        return "-" if v is None or v != v else f"{v * 1e3:8.1f}"
+    lines = [f"{'op':<26} {'shape':<34} {'default us':>10} {'cudnn us':>9} {'tuned us':>9} {'spread':>7}  choice"]
     for r in rows:
         src = " (cached)" if r.get("from_cache") else ""
-        lines.append(f"{r['op']:<26} {r['shape']:<34} {ms(r['default_ms']):>10} {ms(r['tuned_ms']):>9} "
-                     f"{ms(r['spread_ms']):>7}  {r['choice']}{src}")
+        lines.append(f"{r['op']:<26} {r['shape']:<34} {ms(r['default_ms']):>10} {ms(r.get('cudnn_ms')):>9} "
+                     f"{ms(r['tuned_ms']):>9} {ms(r['spread_ms']):>7}  {r['choice']}{src}")
     return "\n".join(lines)
+
+
+def tuning_verdict(rows: list[dict]) -> str:
+    """Whether every tuned choice is at least as fast as the heuristic default and as cuDNN's best candidate in the
+    same run, within the chosen candidate's measured spread (max - min over the interleaved rounds)."""
+    timed = [r for r in rows if r.get("tuned_ms") is not None and r["tuned_ms"] == r["tuned_ms"]
+             and not r.get("from_cache")]
+    slow = []
+    for r in timed:
+        tol = r["spread_ms"] if r["spread_ms"] == r["spread_ms"] else 0.0
+        for what in ("default_ms", "cudnn_ms"):
+            other = r.get(what)
+            if other is not None and other == other and r["tuned_ms"] > other + tol:
+                slow.append(f"{r['op']} {r['shape']}: tuned {r['tuned_ms'] * 1e3:.1f} us > {what[:-3]} "
+                            f"{other * 1e3:.1f} us")
+    with_cudnn = sum(1 for r in timed if r.get("cudnn_ms") is not None and r["cudnn_ms"] == r["cudnn_ms"])
+    head = (f"{len(timed)} ops timed ({with_cudnn} with cuDNN candidates): "
+            f"{'tuned <= default and <= cuDNN everywhere (within spread)' if not slow else f'{len(slow)} slower'}")
+    return "\n".join([head] + ["  " + s for s in slow])
 
 
 def _param_list(module: nn.Module, config) -> list[torch.Tensor]:

@@ -160,9 +160,7 @@ DgradChoice dgrad_heuristic(const Conv2dProblem& p, ConvDType dtype, const ConvC
 bool dgrad_can_implement(const DgradChoice& c, const Conv2dProblem& p, ConvDType dtype) {
   switch (c.kind) {
     case DgradChoice::Kind::kFlippedForward:
-      return flippable(p) &&
-             kernels::conv2d_fprop_fixup_can_implement(flipped_forward_problem(p), dtype, c.fprop.tile,
-                                                       c.fprop.split_k);
+      return flippable(p) && fixup_conv_can_implement(c.fprop, flipped_forward_problem(p), dtype);
     case DgradChoice::Kind::kStrided: return kernels::conv2d_dgrad_can_implement(p, dtype, c.tile);
     case DgradChoice::Kind::kCudnn:
       return kernels::cudnn_conv_workspace_bytes(CudnnConvOp::kDgrad, p, dtype, c.algo) != SIZE_MAX;
@@ -198,8 +196,7 @@ std::vector<DgradChoice> dgrad_candidates(const Conv2dProblem& p, ConvDType dtyp
 size_t dgrad_workspace_bytes(const DgradChoice& c, const Conv2dProblem& p, ConvDType dtype) {
   switch (c.kind) {
     case DgradChoice::Kind::kFlippedForward:
-      return kernels::conv2d_fprop_fixup_workspace_bytes(flipped_forward_problem(p), dtype, c.fprop.tile,
-                                                         c.fprop.split_k);
+      return fixup_conv_workspace_bytes(c.fprop, flipped_forward_problem(p), dtype);
     case DgradChoice::Kind::kStrided: return kernels::conv2d_dgrad_workspace_bytes(p, dtype, c.tile);
     case DgradChoice::Kind::kCudnn: {
       const size_t b = kernels::cudnn_conv_workspace_bytes(CudnnConvOp::kDgrad, p, dtype, c.algo);
@@ -213,9 +210,8 @@ cudaError_t run_dgrad(const DgradChoice& c, const Conv2dProblem& p, ConvDType dt
                       const void* w_flip, void* dx, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   switch (c.kind) {
     case DgradChoice::Kind::kFlippedForward:
-      return kernels::conv2d_fprop_fixup(flipped_forward_problem(p), dtype, c.fprop.tile, dy, w_flip, dx,
-                                         kernels::FixupEpilogue{}, c.fprop.split_k, workspace, workspace_bytes,
-                                         stream);
+      return run_fixup_conv(c.fprop, flipped_forward_problem(p), dtype, dy, w_flip, dx, kernels::FixupEpilogue{},
+                            workspace, workspace_bytes, stream);
     case DgradChoice::Kind::kStrided:
       return kernels::conv2d_dgrad(p, dtype, c.tile, dy, w, dx, workspace, workspace_bytes, stream);
     case DgradChoice::Kind::kCudnn:
@@ -297,12 +293,11 @@ WgradChoice BackwardConvTuningScratch::tune_wgrad(const Conv2dProblem& p, ConvDT
       check_cuda(run_wgrad(cands[i], p, dtype, b.dy, b.x, b.out, b.ws, b.ws_bytes, stream),
                  "weight gradient " + cands[i].name() + " (tuning)");
     };
-    // Every candidate's output as floats: fp32 or T, whichever it writes.
-    const CandidateTimer::Read read_f32 = read_f32_fn(b.out, w_elems), read_t = read_t_fn(b.out, w_elems, dtype);
-    auto read = [&cands, read_f32, read_t](size_t i, cudaStream_t stream) {
-      return cands[i].writes_t() ? read_t(i, stream) : read_f32(i, stream);
+    // Every candidate's output: fp32 or T, whichever it writes.
+    auto output = [&cands, out = b.out, w_elems, dtype](size_t i) {
+      return CandidateTimer::Output{out, w_elems, cands[i].writes_t() ? value_type(dtype) : kernels::ValueType::kF32};
     };
-    return std::make_unique<CandidateTimer>(launch, poison_fn(b.out, 4 * w_elems), read, tolerance(dtype));
+    return std::make_unique<CandidateTimer>(launch, poison_fn(b.out, 4 * w_elems), output, tolerance(dtype));
   };
   const TuningResult r = tune_op(cache, key, names, make_timer, mode, options, row);
   return cands[r.chosen];
@@ -327,7 +322,7 @@ DgradChoice BackwardConvTuningScratch::tune_dgrad(const Conv2dProblem& p, ConvDT
       check_cuda(run_dgrad(cands[i], p, dtype, b.dy, b.w, b.w_flip, b.out, b.ws, b.ws_bytes, stream),
                  "data gradient " + cands[i].name() + " (tuning)");
     };
-    return std::make_unique<CandidateTimer>(launch, poison_fn(b.out, 2 * x_elems), read_t_fn(b.out, x_elems, dtype),
+    return std::make_unique<CandidateTimer>(launch, poison_fn(b.out, 2 * x_elems), output_t_fn(b.out, x_elems, dtype),
                                             tolerance(dtype));
   };
   const TuningResult r = tune_op(cache, key, names, make_timer, mode, options, row);

@@ -9,6 +9,8 @@
 
 #include "kfuse/device.h"
 #include "kfuse/error.h"
+#include "kernels/conv/cudnn_conv.h"
+#include "kernels/conv/fixup_epilogue_pass.h"
 #include "runtime/op_tuning.h"
 #include "runtime/cuda_check.h"
 #include "runtime/half_bits.h"
@@ -57,8 +59,33 @@ int64_t tiles(const Conv2dProblem& p, ConvTile t) {
 }  // namespace
 
 std::string ConvConfig::name() const {
+  if (is_cudnn()) return "cudnn_a" + std::to_string(cudnn_algo);
   const std::string base = tile_info(tile).name;
   return is_sm90_tile(tile) ? base : base + "_k" + std::to_string(split_k);
+}
+
+bool fixup_conv_can_implement(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype) {
+  if (!c.is_cudnn()) return kernels::conv2d_fprop_fixup_can_implement(p, dtype, c.tile, c.split_k);
+  // The epilogue pass runs on 16-byte vectors: K % 8 == 0 keeps the output a whole number of them.
+  return p.k % 8 == 0 &&
+         kernels::cudnn_conv_workspace_bytes(kernels::CudnnConvOp::kFprop, p, dtype, c.cudnn_algo) != SIZE_MAX;
+}
+
+size_t fixup_conv_workspace_bytes(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype) {
+  if (!c.is_cudnn()) return kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k);
+  const size_t b = kernels::cudnn_conv_workspace_bytes(kernels::CudnnConvOp::kFprop, p, dtype, c.cudnn_algo);
+  return b == SIZE_MAX ? 0 : b;
+}
+
+cudaError_t run_fixup_conv(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype, const void* x,
+                           const void* w, void* y, const kernels::FixupEpilogue& e, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream) {
+  if (!c.is_cudnn())
+    return kernels::conv2d_fprop_fixup(p, dtype, c.tile, x, w, y, e, c.split_k, workspace, workspace_bytes, stream);
+  const cudaError_t err =
+      kernels::cudnn_conv_fprop(p, dtype, c.cudnn_algo, x, w, y, workspace, workspace_bytes, stream);
+  if (err != cudaSuccess || kernels::fixup_epilogue_is_identity(e)) return err;
+  return kernels::fixup_epilogue_inplace(y, size_t(gemm_m(p)) * p.k, dtype, e, stream);
 }
 
 std::string conv_shape_key(const Conv2dProblem& p) {
@@ -90,7 +117,7 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
   auto add = [&](ConvConfig c) {
     if (std::find(out.begin(), out.end(), c) != out.end()) return;
     if (is_sm90_tile(c.tile) && cc_major != 9) return;
-    if (!kernels::conv2d_fprop_fixup_can_implement(p, dtype, c.tile, c.split_k)) return;
+    if (!fixup_conv_can_implement(c, p, dtype)) return;
     out.push_back(c);
   };
   add(conv_heuristic(p, sm_count, dtype));
@@ -111,6 +138,13 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
   // SMs idle and only lengthen tuning.
   for (ConvTile t : {ConvTile::kSm90_128x128, ConvTile::kSm90_256x64})
     if (tiles(p, t) >= 2 * int64_t(sm_count)) add({t, 1});
+  if (!out.empty()) {
+    for (int algo : kernels::cudnn_conv_algorithms(kernels::CudnnConvOp::kFprop, p, dtype)) {
+      ConvConfig c;
+      c.cudnn_algo = algo;
+      if (fixup_conv_can_implement(c, p, dtype)) out.push_back(c);
+    }
+  }
   return out;
 }
 
@@ -158,8 +192,7 @@ ConvConfig ConvTuningScratch::tune(const Conv2dProblem& p, ConvDType dtype, bool
   const size_t w_elems = size_t(p.k) * p.r * p.s * p.c;
   const size_t y_elems = size_t(gemm_m(p)) * p.k;
   size_t ws = 0;
-  for (const ConvConfig& c : cands)
-    ws = std::max(ws, kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k));
+  for (const ConvConfig& c : cands) ws = std::max(ws, fixup_conv_workspace_bytes(c, p, dtype));
 
   // Cached choices need no buffers; everything else runs on random data of the problem's size.
   auto make_timer = [&] {
@@ -168,13 +201,12 @@ ConvConfig ConvTuningScratch::tune(const Conv2dProblem& p, ConvDType dtype, bool
     upload_random(w_, w_elems, 1.0f / std::sqrt(float(gemm_k(p))), dtype, 5678u);
     const kernels::FixupEpilogue e{scalars_, scalars_ + 1, scalars_ + 2, relu};
     auto launch = [this, &p, dtype, &cands, e](size_t i, cudaStream_t stream) {
-      check_cuda(kernels::conv2d_fprop_fixup(p, dtype, cands[i].tile, x_, w_, y_, e, cands[i].split_k, ws_,
-                                             ws_bytes_, stream),
-                 "conv2d_fprop_fixup (tuning)");
+      check_cuda(run_fixup_conv(cands[i], p, dtype, x_, w_, y_, e, ws_, ws_bytes_, stream),
+                 "conv2d_fprop_fixup (tuning, " + cands[i].name() + ")");
     };
     // All candidates accumulate in fp32: they differ by summation order and one rounding of the output (~1e-3 in
     // fp16, ~8e-3 in bf16).
-    return std::make_unique<CandidateTimer>(launch, poison_fn(y_, 2 * y_elems), read_t_fn(y_, y_elems, dtype),
+    return std::make_unique<CandidateTimer>(launch, poison_fn(y_, 2 * y_elems), output_t_fn(y_, y_elems, dtype),
                                             dtype == ConvDType::kF16 ? 5e-3 : 2e-2);
   };
   const TuningResult r = tune_op(cache, key, names, make_timer, mode, options, row);

@@ -1,5 +1,6 @@
 // Which kernel runs a FixUp convolution: the candidate configurations (CUTLASS 2.x tiles x split-K, CUTLASS 3.x
-// Hopper tiles), the built-in heuristic, and their tuning through the generic tuner (kfuse/tuner.h) on scratch
+// Hopper tiles, and cuDNN's forward algorithms followed by the FixUp epilogue as a separate pass), the built-in
+// heuristic, and their tuning through the generic tuner (kfuse/tuner.h) on scratch
 // buffers of random data, so that any op holding a Conv2dProblem can ask for the fastest correct configuration.
 #pragma once
 
@@ -14,10 +15,25 @@ namespace kfuse {
 struct ConvConfig {
   kernels::ConvTile tile = kernels::ConvTile::k64x64;
   int split_k = 1;
-  // e.g. "sm80_128x64_k2", "sm90_128x64": stable, they are the tuning cache's values.
+  // >= 0: cuDNN's forward algorithm of that number (tile and split_k unused), then the FixUp epilogue as a separate
+  // element-wise pass (kernels/conv/fixup_epilogue_pass.h): the tuner's way to never be slower than cuDNN.
+  int cudnn_algo = -1;
+  bool is_cudnn() const { return cudnn_algo >= 0; }
+  // e.g. "sm80_128x64_k2", "sm90_128x64", "cudnn_a1": stable, they are the tuning cache's values.
   std::string name() const;
-  bool operator==(const ConvConfig& o) const { return tile == o.tile && split_k == o.split_k; }
+  bool operator==(const ConvConfig& o) const {
+    return cudnn_algo == o.cudnn_algo && (is_cudnn() || (tile == o.tile && split_k == o.split_k));
+  }
 };
+
+// What every provider of a FixUp convolution offers, dispatched on the configuration: whether it can run `p`
+// (host-only; for cuDNN: whether the loaded cuDNN supports the algorithm), its device workspace, and the launch
+// (asynchronous on `stream`; the error codes of conv2d_fprop_fixup, and cudaErrorNotSupported where cuDNN fails).
+bool fixup_conv_can_implement(const ConvConfig& c, const kernels::Conv2dProblem& p, kernels::ConvDType dtype);
+size_t fixup_conv_workspace_bytes(const ConvConfig& c, const kernels::Conv2dProblem& p, kernels::ConvDType dtype);
+cudaError_t run_fixup_conv(const ConvConfig& c, const kernels::Conv2dProblem& p, kernels::ConvDType dtype,
+                           const void* x, const void* w, void* y, const kernels::FixupEpilogue& epilogue,
+                           void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // "n128_h16_w16_c64_k64_r3_s3_p1_u1": the problem as a tuning-cache shape.
 std::string conv_shape_key(const kernels::Conv2dProblem& p);
@@ -31,7 +47,8 @@ ConvConfig conv_heuristic(const kernels::Conv2dProblem& p, int sm_count,
                           kernels::ConvDType dtype = kernels::ConvDType::kF16);
 
 // Every configuration that can run `p` in `dtype` on a device of compute capability `cc_major`, the heuristic's
-// first (the tuner's reference candidate).
+// first (the tuner's reference candidate); cuDNN's forward algorithms last, when cuDNN is available on the current
+// device and kfuse's own kernels can run the problem (the encoder needs them anyway).
 std::vector<ConvConfig> conv_candidates(const kernels::Conv2dProblem& p, kernels::ConvDType dtype, int cc_major,
                                         int sm_count);
 

@@ -329,12 +329,11 @@ struct EncoderGpu::Impl {
   void conv(const Conv2dProblem& p, const void* x, size_t w, void* y, const kernels::FixupEpilogue& e,
             cudaStream_t stream, bool side_branch = false) {
     const ConvConfig c = choose(p, e.relu);
-    const size_t need = kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k);
+    const size_t need = fixup_conv_workspace_bytes(c, p, dtype);
     if (need > conv_workspace_bytes) throw Error("kfuse: conv workspace too small (internal error)");
     void* ws = conv_workspace ? static_cast<uint8_t*>(conv_workspace) + (side_branch ? conv_workspace_bytes : 0)
                               : nullptr;
-    check_cuda(kernels::conv2d_fprop_fixup(p, dtype, c.tile, x, wptr(w), y, e, c.split_k, ws, conv_workspace_bytes,
-                                           stream),
+    check_cuda(run_fixup_conv(c, p, dtype, x, wptr(w), y, e, ws, conv_workspace_bytes, stream),
                "conv2d_fprop_fixup (" + c.name() + ", " + conv_shape_key(p) + ")");
   }
 
@@ -349,9 +348,9 @@ struct EncoderGpu::Impl {
       for (size_t j = 0; j < probs.size(); ++j) {
         const Conv2dProblem& p = probs[j];
         const ConvConfig c = choose(p, j == 0);
-        if (!kernels::conv2d_fprop_fixup_can_implement(p, dtype, c.tile, c.split_k))
+        if (!fixup_conv_can_implement(c, p, dtype))
           throw InvalidArgument("kfuse: the fused conv kernels cannot run block '" + b.prefix + "' at this size");
-        need = std::max(need, kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k));
+        need = std::max(need, fixup_conv_workspace_bytes(c, p, dtype));
       }
       h /= b.stride;
       w /= b.stride;

@@ -2,13 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 
 #include "kernels/timing/gpu_delay.h"
 #include "kfuse/device.h"
 #include "kfuse/error.h"
 #include "runtime/cuda_check.h"
-#include "runtime/half_bits.h"
 
 namespace kfuse {
 
@@ -56,12 +54,13 @@ OpTuningReport tuning_report(const TuningKey& key, const std::vector<std::string
   return row;
 }
 
+kernels::ValueType value_type(kernels::ConvDType dtype) {
+  return dtype == kernels::ConvDType::kF16 ? kernels::ValueType::kF16 : kernels::ValueType::kBF16;
+}
+
 void upload_random(void* dst, size_t elems, float scale, kernels::ConvDType dtype, uint32_t seed) {
-  std::vector<uint16_t> h(elems);
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> u(-scale, scale);
-  for (auto& v : h) v = float_to_bits(u(gen), dtype);
-  check_cuda(cudaMemcpy(dst, h.data(), 2 * elems, cudaMemcpyHostToDevice), "cudaMemcpy (tuning inputs)");
+  check_cuda(kernels::fill_uniform(dst, elems, value_type(dtype), scale, seed, nullptr), "random fill (tuning)");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (tuning inputs)");
 }
 
 TuningResult tune_op(TuningCache& cache, const TuningKey& key, const std::vector<std::string>& names,
@@ -85,34 +84,21 @@ CandidateTimer::Poison poison_fn(void* out, size_t bytes) {
   };
 }
 
-CandidateTimer::Read read_t_fn(const void* out, size_t elems, kernels::ConvDType dtype) {
-  return [out, elems, dtype](size_t, cudaStream_t stream) {
-    std::vector<uint16_t> bits(elems);
-    check_cuda(cudaMemcpyAsync(bits.data(), out, 2 * elems, cudaMemcpyDeviceToHost, stream), "cudaMemcpy (tuning)");
-    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (tuning)");
-    std::vector<double> v(elems);
-    for (size_t i = 0; i < elems; ++i) v[i] = bits_to_float(bits[i], dtype);
-    return v;
-  };
+CandidateTimer::OutputOf output_t_fn(const void* out, size_t elems, kernels::ConvDType dtype) {
+  const CandidateTimer::Output o{out, elems, value_type(dtype)};
+  return [o](size_t) { return o; };
 }
 
-CandidateTimer::Read read_f32_fn(const void* out, size_t elems) {
-  return [out, elems](size_t, cudaStream_t stream) {
-    std::vector<float> f(elems);
-    check_cuda(cudaMemcpyAsync(f.data(), out, 4 * elems, cudaMemcpyDeviceToHost, stream), "cudaMemcpy (tuning)");
-    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (tuning)");
-    return std::vector<double>(f.begin(), f.end());
-  };
-}
-
-CandidateTimer::CandidateTimer(Launch launch, Poison poison, Read read, double rel_tol)
-    : launch_(std::move(launch)), poison_(std::move(poison)), read_(std::move(read)), rel_tol_(rel_tol) {
+CandidateTimer::CandidateTimer(Launch launch, Poison poison, OutputOf output, double rel_tol)
+    : launch_(std::move(launch)), poison_(std::move(poison)), output_(std::move(output)), rel_tol_(rel_tol) {
   check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate (tuning)");
-  if (cudaEventCreate(&start_) != cudaSuccess || cudaEventCreate(&stop_) != cudaSuccess) {
+  if (cudaEventCreate(&start_) != cudaSuccess || cudaEventCreate(&stop_) != cudaSuccess ||
+      cudaMalloc(reinterpret_cast<void**>(&result_), 3 * sizeof(double)) != cudaSuccess) {
     // The destructor does not run for a constructor that throws: release what was created here.
     if (start_) cudaEventDestroy(start_);
+    if (stop_) cudaEventDestroy(stop_);
     cudaStreamDestroy(stream_);
-    throw Error("kfuse: cudaEventCreate failed (tuning)");
+    throw Error("kfuse: cudaEventCreate / cudaMalloc failed (tuning)");
   }
 }
 
@@ -120,6 +106,8 @@ CandidateTimer::~CandidateTimer() {
   if (start_) cudaEventDestroy(start_);
   if (stop_) cudaEventDestroy(stop_);
   if (stream_) cudaStreamDestroy(stream_);
+  cudaFree(ref_);
+  cudaFree(result_);
   start_ = stop_ = nullptr;
   stream_ = nullptr;
 }
@@ -136,10 +124,14 @@ double CandidateTimer::measure(size_t i) {
     check_cuda(cudaEventElapsedTime(&ms, start_, stop_), "cudaEventElapsedTime (tuning)");
     return ms;
   };
-  if (ref_.empty() && i == 0) {
+  if (!ref_ && i == 0) {
     poison_(0, stream_);
     launch_(0, stream_);
-    ref_ = read_(0, stream_);
+    const Output o = output_(0);
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&ref_), std::max<size_t>(o.elems, 1) * sizeof(float)),
+               "cudaMalloc (tuning reference)");
+    ref_elems_ = o.elems;
+    check_cuda(kernels::convert_to_f32(o.data, o.type, o.elems, ref_, stream_), "reference copy (tuning)");
     check_cuda(kernels::launch_gpu_delay(stream_, delay_us(1)), "GPU delay kernel (tuning)");
     check_cuda(cudaEventRecord(start_, stream_), "cudaEventRecord");
     launch_(0, stream_);
@@ -156,15 +148,13 @@ double CandidateTimer::measure(size_t i) {
 }
 
 bool CandidateTimer::check(size_t i) {
-  const std::vector<double> out = read_(i, stream_);
-  if (out.size() != ref_.size()) return false;
-  double num = 0, den = 0;
-  for (size_t j = 0; j < out.size(); ++j) {
-    if (!std::isfinite(out[j])) return false;
-    num += (out[j] - ref_[j]) * (out[j] - ref_[j]);
-    den += ref_[j] * ref_[j];
-  }
-  return std::sqrt(num) <= rel_tol_ * std::sqrt(den) + 1e-30;
+  const Output o = output_(i);
+  if (!ref_ || o.elems != ref_elems_) return false;
+  check_cuda(kernels::compare_with_reference(o.data, o.type, ref_, o.elems, result_, stream_), "comparison (tuning)");
+  double r[3] = {0, 0, 0};
+  check_cuda(cudaMemcpyAsync(r, result_, sizeof(r), cudaMemcpyDeviceToHost, stream_), "cudaMemcpy (tuning)");
+  check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (tuning)");
+  return r[2] == 0 && std::sqrt(r[0]) <= rel_tol_ * std::sqrt(r[1]) + 1e-30;
 }
 
 }  // namespace kfuse

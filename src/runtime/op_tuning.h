@@ -9,6 +9,8 @@
 //   training step the GPU is busy while the host enqueues, so only GPU time counts;
 // - check(i) compares candidate i's latest output with the reference: normwise relative difference <= rel_tol, and
 //   every value finite (the output is poisoned with NaN before each measurement, so an unwritten element fails).
+//   The reference is kept in fp32 on the GPU and the comparison runs there (kernels/timing/candidate_data.h): the
+//   training batch's outputs are tens of millions of values, too many to copy back per candidate.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/conv/conv_fixup.h"  // ConvDType
+#include "kernels/timing/candidate_data.h"
 #include "kfuse/tuner.h"
 
 namespace kfuse {
@@ -31,7 +34,8 @@ TuningKey device_tuning_key(const std::string& op, const std::string& shape, ker
 // The report row of a tuning (or of the cached choice it found).
 OpTuningReport tuning_report(const TuningKey& key, const std::vector<std::string>& names, const TuningResult& r,
                              const TuningCache& cache);
-// `elems` uniform random values in [-scale, scale] of `dtype` (fp16 / bf16) at `dst` (synchronous).
+// `elems` uniform random values in [-scale, scale] of `dtype` (fp16 / bf16) at `dst`, generated on the GPU
+// (synchronous).
 void upload_random(void* dst, size_t elems, float scale, kernels::ConvDType dtype, uint32_t seed);
 
 class CandidateTimer {
@@ -39,10 +43,15 @@ class CandidateTimer {
   using Launch = std::function<void(size_t candidate, cudaStream_t stream)>;
   // Fills the candidate's output with NaN (asynchronously, on `stream`).
   using Poison = std::function<void(size_t candidate, cudaStream_t stream)>;
-  // The candidate's output as floats (waits for `stream`).
-  using Read = std::function<std::vector<double>(size_t candidate, cudaStream_t stream)>;
+  // Where the candidate writes its output (device memory) and in which type.
+  struct Output {
+    const void* data = nullptr;
+    size_t elems = 0;
+    kernels::ValueType type = kernels::ValueType::kF32;
+  };
+  using OutputOf = std::function<Output(size_t candidate)>;
 
-  CandidateTimer(Launch launch, Poison poison, Read read, double rel_tol);
+  CandidateTimer(Launch launch, Poison poison, OutputOf output, double rel_tol);
   ~CandidateTimer();
   CandidateTimer(const CandidateTimer&) = delete;
   CandidateTimer& operator=(const CandidateTimer&) = delete;
@@ -53,11 +62,13 @@ class CandidateTimer {
  private:
   Launch launch_;
   Poison poison_;
-  Read read_;
+  OutputOf output_;
   double rel_tol_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
-  std::vector<double> ref_;
+  float* ref_ = nullptr;     // candidate 0's output in fp32 (device)
+  size_t ref_elems_ = 0;
+  double* result_ = nullptr;  // compare_with_reference's three sums (device)
   int reps_ = 1;
 };
 
@@ -67,10 +78,10 @@ TuningResult tune_op(TuningCache& cache, const TuningKey& key, const std::vector
                      const std::function<std::unique_ptr<CandidateTimer>()>& make_timer, TuningMode mode,
                      const TunerOptions& options, OpTuningReport& row);
 
-// Poison / Read functions for CandidateTimer: `bytes` of 0xff (NaN in fp16, bf16 and fp32) at `out`; `elems`
-// values of T (fp16 / bf16) or of fp32 at `out` read back.
+// Poison / Output helpers for CandidateTimer: `bytes` of 0xff (NaN in fp16, bf16 and fp32) at `out`; the same
+// output of `elems` values of T (fp16 / bf16) for every candidate.
 CandidateTimer::Poison poison_fn(void* out, size_t bytes);
-CandidateTimer::Read read_t_fn(const void* out, size_t elems, kernels::ConvDType dtype);
-CandidateTimer::Read read_f32_fn(const void* out, size_t elems);
+CandidateTimer::OutputOf output_t_fn(const void* out, size_t elems, kernels::ConvDType dtype);
+kernels::ValueType value_type(kernels::ConvDType dtype);
 
 }  // namespace kfuse

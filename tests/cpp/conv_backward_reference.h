@@ -1,5 +1,5 @@
-// float64 references of the backward convolutions (conv_backward.h conventions: the FORWARD problem p, NHWC
-// activations, KRSC filters, NPQK output gradients), shared by the GPU tests of every backward kernel.
+// float64 references of the convolutions (conv_backward.h conventions: the FORWARD problem p, NHWC activations,
+// KRSC filters, NPQK outputs and output gradients), shared by the GPU tests of the candidates the tuner may choose.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +17,38 @@ using kernels::ConvDType;
 inline size_t act_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w * p.c; }
 inline size_t grad_elems(const Conv2dProblem& p) { return size_t(p.n) * p.p() * p.q() * p.k; }
 inline size_t filter_elems(const Conv2dProblem& p) { return size_t(p.k) * p.r * p.s * p.c; }
+
+// float64 forward with the FixUp epilogue: post + act(alpha * conv(x, w) + pre), act = relu if `relu`.
+inline std::vector<double> reference_fprop_fixup(const Conv2dProblem& p, const std::vector<uint16_t>& x,
+                                                 const std::vector<uint16_t>& w, ConvDType dt, double alpha,
+                                                 double pre, double post, bool relu) {
+  const int P = p.p(), Q = p.q();
+  std::vector<double> xd(x.size()), wd(w.size());
+  for (size_t i = 0; i < x.size(); ++i) xd[i] = bits_to_float(x[i], dt);
+  for (size_t i = 0; i < w.size(); ++i) wd[i] = bits_to_float(w[i], dt);
+  std::vector<double> y(grad_elems(p));
+  for (int n = 0; n < p.n; ++n)
+    for (int op = 0; op < P; ++op)
+      for (int oq = 0; oq < Q; ++oq)
+        for (int k = 0; k < p.k; ++k) {
+          double acc = 0.0;
+          for (int r = 0; r < p.r; ++r) {
+            const int ih = op * p.stride_h - p.pad_h + r;
+            if (ih < 0 || ih >= p.h) continue;
+            for (int s = 0; s < p.s; ++s) {
+              const int iw = oq * p.stride_w - p.pad_w + s;
+              if (iw < 0 || iw >= p.w) continue;
+              const double* xs = &xd[((size_t(n) * p.h + ih) * p.w + iw) * p.c];
+              const double* ws = &wd[((size_t(k) * p.r + r) * p.s + s) * p.c];
+              for (int ci = 0; ci < p.c; ++ci) acc += xs[ci] * ws[ci];
+            }
+          }
+          double v = alpha * acc + pre;
+          if (relu && v < 0.0) v = 0.0;
+          y[((size_t(n) * P + op) * Q + oq) * p.k + k] = post + v;
+        }
+  return y;
+}
 
 // float64 weight gradient, NPQK (dy) x NHWC (x) -> KRSC, zero padding, cross-correlation.
 inline std::vector<double> reference_wgrad(const Conv2dProblem& p, const std::vector<uint16_t>& dy,

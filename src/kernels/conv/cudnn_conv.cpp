@@ -29,6 +29,9 @@ struct CudnnApi {
   decltype(&cudnnCreateConvolutionDescriptor) create_conv = nullptr;
   decltype(&cudnnSetConvolution2dDescriptor) set_conv = nullptr;
   decltype(&cudnnSetConvolutionMathType) set_math = nullptr;
+  decltype(&cudnnGetConvolutionForwardAlgorithm_v7) fprop_algos = nullptr;
+  decltype(&cudnnGetConvolutionForwardWorkspaceSize) fprop_workspace = nullptr;
+  decltype(&cudnnConvolutionForward) fprop = nullptr;
   decltype(&cudnnGetConvolutionBackwardDataAlgorithm_v7) dgrad_algos = nullptr;
   decltype(&cudnnGetConvolutionBackwardDataWorkspaceSize) dgrad_workspace = nullptr;
   decltype(&cudnnConvolutionBackwardData) dgrad = nullptr;
@@ -82,6 +85,9 @@ const CudnnApi& api() {
     resolve(cnn, "cudnnCreateConvolutionDescriptor", r.create_conv, e);
     resolve(cnn, "cudnnSetConvolution2dDescriptor", r.set_conv, e);
     resolve(cnn, "cudnnSetConvolutionMathType", r.set_math, e);
+    resolve(cnn, "cudnnGetConvolutionForwardAlgorithm_v7", r.fprop_algos, e);
+    resolve(cnn, "cudnnGetConvolutionForwardWorkspaceSize", r.fprop_workspace, e);
+    resolve(cnn, "cudnnConvolutionForward", r.fprop, e);
     resolve(cnn, "cudnnGetConvolutionBackwardDataAlgorithm_v7", r.dgrad_algos, e);
     resolve(cnn, "cudnnGetConvolutionBackwardDataWorkspaceSize", r.dgrad_workspace, e);
     resolve(cnn, "cudnnConvolutionBackwardData", r.dgrad, e);
@@ -94,7 +100,7 @@ const CudnnApi& api() {
   return a;
 }
 
-// Descriptors of one forward problem (x, y, w, conv); dgrad and wgrad share them. Never freed: a process meets a
+// Descriptors of one forward problem (x, y, w, conv); fprop, dgrad and wgrad share them. Never freed: a process meets a
 // handful of shapes.
 struct Descriptors {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
@@ -151,10 +157,18 @@ size_t workspace_locked(CudnnConvOp op, cudnnHandle_t h, Descriptors& d, int alg
   if (const auto it = d.workspace.find(key); it != d.workspace.end()) return it->second;
   size_t bytes = 0;
   const CudnnApi& a = api();
-  const cudnnStatus_t s =
-      op == CudnnConvOp::kDgrad
-          ? a.dgrad_workspace(h, d.w, d.y, d.conv, d.x, cudnnConvolutionBwdDataAlgo_t(algo), &bytes)
-          : a.wgrad_workspace(h, d.x, d.y, d.conv, d.w, cudnnConvolutionBwdFilterAlgo_t(algo), &bytes);
+  cudnnStatus_t s = CUDNN_STATUS_NOT_SUPPORTED;
+  switch (op) {
+    case CudnnConvOp::kFprop:
+      s = a.fprop_workspace(h, d.x, d.w, d.conv, d.y, cudnnConvolutionFwdAlgo_t(algo), &bytes);
+      break;
+    case CudnnConvOp::kDgrad:
+      s = a.dgrad_workspace(h, d.w, d.y, d.conv, d.x, cudnnConvolutionBwdDataAlgo_t(algo), &bytes);
+      break;
+    case CudnnConvOp::kWgrad:
+      s = a.wgrad_workspace(h, d.x, d.y, d.conv, d.w, cudnnConvolutionBwdFilterAlgo_t(algo), &bytes);
+      break;
+  }
   return d.workspace[key] = s == CUDNN_STATUS_SUCCESS ? bytes : SIZE_MAX;
 }
 
@@ -191,7 +205,11 @@ std::vector<int> cudnn_conv_algorithms(CudnnConvOp op, const Conv2dProblem& p, C
       if (have == algo) return;
     if (workspace_locked(op, h, d, algo) <= max_workspace) out.push_back(algo);
   };
-  if (op == CudnnConvOp::kDgrad) {
+  if (op == CudnnConvOp::kFprop) {
+    cudnnConvolutionFwdAlgoPerf_t perf[kMax];
+    if (a.fprop_algos(h, d.x, d.w, d.conv, d.y, kMax, &returned, perf) != CUDNN_STATUS_SUCCESS) return out;
+    for (int i = 0; i < returned; ++i) take(int(perf[i].algo), perf[i].status, perf[i].memory);
+  } else if (op == CudnnConvOp::kDgrad) {
     cudnnConvolutionBwdDataAlgoPerf_t perf[kMax];
     if (a.dgrad_algos(h, d.w, d.y, d.conv, d.x, kMax, &returned, perf) != CUDNN_STATUS_SUCCESS) return out;
     for (int i = 0; i < returned; ++i) take(int(perf[i].algo), perf[i].status, perf[i].memory);
@@ -211,9 +229,10 @@ size_t cudnn_conv_workspace_bytes(CudnnConvOp op, const Conv2dProblem& p, ConvDT
 }
 
 namespace {
-cudaError_t run(CudnnConvOp op, const Conv2dProblem& p, ConvDType dtype, int algo, const void* dy, const void* other,
+// `in` is dy (dgrad, wgrad) or x (fprop); `other` is w (fprop, dgrad) or x (wgrad).
+cudaError_t run(CudnnConvOp op, const Conv2dProblem& p, ConvDType dtype, int algo, const void* in, const void* other,
                 void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (!dy || !other || !out) return cudaErrorInvalidValue;
+  if (!in || !other || !out) return cudaErrorInvalidValue;
   if (!api().error.empty()) return cudaErrorNotSupported;
   std::lock_guard<std::mutex> lock(mutex());  // one lock per launch; descriptors and workspace sizes are cached
   cudnnHandle_t h = handle_locked();
@@ -226,16 +245,30 @@ cudaError_t run(CudnnConvOp op, const Conv2dProblem& p, ConvDType dtype, int alg
   const CudnnApi& a = api();
   if (a.set_stream(h, stream) != CUDNN_STATUS_SUCCESS) return cudaErrorNotSupported;
   const float one = 1.0f, zero = 0.0f;
-  const cudnnStatus_t s =
-      op == CudnnConvOp::kDgrad
-          ? a.dgrad(h, &one, d.w, other, d.y, dy, d.conv, cudnnConvolutionBwdDataAlgo_t(algo), workspace,
-                    workspace_bytes, &zero, d.x, out)
-          : a.wgrad(h, &one, d.x, other, d.y, dy, d.conv, cudnnConvolutionBwdFilterAlgo_t(algo), workspace,
-                    workspace_bytes, &zero, d.w, out);
+  cudnnStatus_t s = CUDNN_STATUS_NOT_SUPPORTED;
+  switch (op) {
+    case CudnnConvOp::kFprop:
+      s = a.fprop(h, &one, d.x, in, d.w, other, d.conv, cudnnConvolutionFwdAlgo_t(algo), workspace, workspace_bytes,
+                  &zero, d.y, out);
+      break;
+    case CudnnConvOp::kDgrad:
+      s = a.dgrad(h, &one, d.w, other, d.y, in, d.conv, cudnnConvolutionBwdDataAlgo_t(algo), workspace,
+                  workspace_bytes, &zero, d.x, out);
+      break;
+    case CudnnConvOp::kWgrad:
+      s = a.wgrad(h, &one, d.x, other, d.y, in, d.conv, cudnnConvolutionBwdFilterAlgo_t(algo), workspace,
+                  workspace_bytes, &zero, d.w, out);
+      break;
+  }
   if (s != CUDNN_STATUS_SUCCESS) return cudaErrorNotSupported;
   return cudaGetLastError();
 }
 }  // namespace
+
+cudaError_t cudnn_conv_fprop(const Conv2dProblem& p, ConvDType dtype, int algo, const void* x, const void* w,
+                             void* y, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  return run(CudnnConvOp::kFprop, p, dtype, algo, x, w, y, workspace, workspace_bytes, stream);
+}
 
 cudaError_t cudnn_conv_dgrad(const Conv2dProblem& p, ConvDType dtype, int algo, const void* dy, const void* w,
                              void* dx, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -255,6 +288,10 @@ bool cudnn_available(std::string* why) {
 }
 std::vector<int> cudnn_conv_algorithms(CudnnConvOp, const Conv2dProblem&, ConvDType, int, size_t) { return {}; }
 size_t cudnn_conv_workspace_bytes(CudnnConvOp, const Conv2dProblem&, ConvDType, int) { return SIZE_MAX; }
+cudaError_t cudnn_conv_fprop(const Conv2dProblem&, ConvDType, int, const void*, const void*, void*, void*, size_t,
+                             cudaStream_t) {
+  return cudaErrorNotSupported;
+}
 cudaError_t cudnn_conv_dgrad(const Conv2dProblem&, ConvDType, int, const void*, const void*, void*, void*, size_t,
                              cudaStream_t) {
   return cudaErrorNotSupported;

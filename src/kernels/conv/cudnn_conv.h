@@ -1,5 +1,5 @@
-// cuDNN as a provider of backward convolutions (data and weight gradients), a candidate beside kfuse's CUTLASS
-// kernels in the tuner. cuDNN's Hopper kernels (sm90 xmma, warp-specialized) are what PyTorch and torch.compile run;
+// cuDNN as a provider of convolutions (forward, data and weight gradients), a candidate beside kfuse's CUTLASS
+// kernels in the tuner (the forward without kfuse's fused FixUp epilogue: the caller runs that as a separate pass). cuDNN's Hopper kernels (sm90 xmma, warp-specialized) are what PyTorch and torch.compile run;
 // offering them to the tuner means kfuse is never slower than them on a convolution it leaves unfused.
 //
 // cuDNN is loaded at run time (dlopen of libcudnn.so.9 and its libcudnn_cnn.so.9 sibling): libkfuse has no link-time
@@ -8,6 +8,7 @@
 //
 // Same problem convention as conv_backward.h: the FORWARD problem p, NHWC activations, KRSC filters, fp16 or bf16
 // storage with fp32 accumulation, cross-correlation, zero padding, dilation 1.
+//   fprop: y[n, p, q, k]  = sum x * w  (no epilogue), written in T
 //   dgrad: dx[n, h, w, c]  = sum dy * w  (as conv2d_dgrad), written in T
 //   wgrad: dw[k, r, s, c]  = sum dy * x  (as conv2d_wgrad), written in T (not fp32: cuDNN's legacy API stores the
 //          filter gradient in the filter's type, as PyTorch's fp16 / bf16 convolutions do)
@@ -24,7 +25,7 @@
 
 namespace kfuse::kernels {
 
-enum class CudnnConvOp { kDgrad, kWgrad };
+enum class CudnnConvOp { kFprop, kDgrad, kWgrad };
 
 // Whether cuDNN 9 could be loaded and a handle created on the current device; `why` receives the reason if not.
 bool cudnn_available(std::string* why = nullptr);
@@ -39,6 +40,8 @@ size_t cudnn_conv_workspace_bytes(CudnnConvOp op, const Conv2dProblem& p, ConvDT
 
 // Asynchronous on `stream`. cudaErrorInvalidValue without launching for null pointers or a workspace that is too
 // small, cudaErrorNotSupported when cuDNN is unavailable or rejects the call.
+cudaError_t cudnn_conv_fprop(const Conv2dProblem& p, ConvDType dtype, int algo, const void* x, const void* w,
+                             void* y, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 cudaError_t cudnn_conv_dgrad(const Conv2dProblem& p, ConvDType dtype, int algo, const void* dy, const void* w,
                              void* dx, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 cudaError_t cudnn_conv_wgrad(const Conv2dProblem& p, ConvDType dtype, int algo, const void* dy, const void* x,
