@@ -82,7 +82,10 @@ class EncoderGpu {
   void backward(uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy, float* grads,
                 const DeviceTensorView* dx, cudaStream_t stream);
 
-  // CUDA graphs (default on): one per input geometry (N, H, W, input dtype and strides, output dtype).
+  // CUDA graphs (default on). Inference: one per input geometry (N, H, W, input dtype and strides, output dtype),
+  // the caller's pointers patched on replay. Training: forward_train and backward each run eagerly the first time
+  // per (geometry, caller's pointers), are captured the second time and replayed after (at most 8 graphs kept, the
+  // least recently used dropped); a stream already capturing gets the plain launches. graph_count counts both.
   void set_use_graphs(bool on);
   size_t graph_count() const;
 

@@ -65,7 +65,7 @@ std::vector<OpTuningReport> EncoderGpu::tune(int n, int h, int w, TuningMode mod
 }
 
 void EncoderGpu::set_use_graphs(bool on) { impl_->use_graphs = on; }
-size_t EncoderGpu::graph_count() const { return impl_->graphs.size(); }
+size_t EncoderGpu::graph_count() const { return impl_->graphs.size() + impl_->train_graphs.graph_count(); }
 
 void EncoderGpu::set_weights(const EncoderParams<float>& params) {
   Impl& m = *impl_;

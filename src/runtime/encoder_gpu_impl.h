@@ -17,6 +17,7 @@
 #include "kfuse/error.h"
 #include "runtime/conv_selection.h"
 #include "runtime/cuda_check.h"
+#include "runtime/launch_graph_cache.h"
 #include "runtime/half_bits.h"
 
 namespace kfuse {
@@ -188,6 +189,8 @@ struct EncoderGpu::Impl {
   bool use_graphs = true;
   std::map<Geometry, Activations> activations;
   std::map<GraphKey, Graph> graphs;
+  // The training step's forward and backward, each replayed as a graph per (geometry, caller's pointers).
+  LaunchGraphCache train_graphs;
   // Two equal halves: the main stream's convolutions use the first, the shortcut branch's the second (split-K
   // semaphores must not be shared by kernels that may run at the same time).
   void* conv_workspace = nullptr;
@@ -216,6 +219,7 @@ struct EncoderGpu::Impl {
       cudaGraphDestroy(g.graph);
     }
     graphs.clear();
+    train_graphs.clear();
   }
 
   const uint8_t* w8() const { return static_cast<const uint8_t*>(weights); }

@@ -196,6 +196,7 @@ void tune_backward(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g, Tun
     }
   }
   t.backward_tuned.insert(g);
+  m.train_graphs.clear();  // captured steps may run other kernels, with other workspace sizes, than the new choices
 }
 
 // Tunes on first use, as the tuning mode says (never inside a stream capture).
@@ -358,7 +359,10 @@ uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensor
   kernels::SqueezeExciteArgs tail;
   tail.out_nchw = y.data;
   tail.out_f32 = y.dtype == DType::F32;
-  m.launch(g, tb.act, stem, tail, stream);
+  LaunchGraphCache::Key key{0, g.n, g.h, g.w, int64_t(x.dtype), reinterpret_cast<int64_t>(x.data),
+                            reinterpret_cast<int64_t>(y.data), int64_t(y.dtype)};
+  key.insert(key.end(), x.strides.begin(), x.strides.end());
+  m.train_graphs.run(key, stream, [&](cudaStream_t s) { m.launch(g, tb.act, stem, tail, s); }, m.use_graphs);
   tb.stash = t.next_stash++;
   tb.y_dtype = y.dtype;
   return tb.stash;
@@ -551,6 +555,8 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
     jobs.push_back(j2);
   }
   scratch = std::max(scratch, kernels::grad_finalize_workspace_bytes(int(jobs.size())));
+  const void* const scratch_before = t.scratch;
+  const GradJob* const jobs_before = t.d_grad_jobs;
   ensure_scratch(t, std::max<size_t>(scratch, 256));
   if (jobs.size() > t.grad_job_capacity) {
     cudaFree(t.d_grad_jobs);
@@ -568,39 +574,56 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
     t.grad_jobs = jobs;
   }
 
-  // --- the backward, from the last block ---------------------------------------------------------------------
-  void* ws = t.scratch;
-  for (size_t ii = nb; ii-- > 0;) {
-    const auto& b = m.blocks[ii];
-    const BlockWeights& W = m.bw[ii];
-    const BlockProblems& bp = probs[ii];
-    const std::string where = " (block '" + b.prefix + "')";
-    const BlockConvs& c = convs[ii];
-    const size_t wsb = t.scratch_bytes;
-    check_cuda(kernels::launch_se_backward(se[ii], m.dtype, ws, stream), "squeeze-excite backward" + where);
-    check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], ws, wsb, stream),
-               "conv2 weight gradient (" + c.wgrad2.name() + ")" + where);
-    // dh2 / scale = conv2^T(d_o); the ReLU-mask backward applies the scale.
-    check_cuda(run_dgrad(c.dgrad2, bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2), wflip(W.conv2_flip),
-                         tb.dh2[ii], ws, wsb, stream),
-               "conv2 data gradient (" + c.dgrad2.name() + ")" + where);
-    check_cuda(kernels::launch_relu_mask_backward(mask[ii], m.dtype, ws, stream), "ReLU mask backward" + where);
-    check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], ws, wsb, stream),
-               "conv1 weight gradient (" + c.wgrad1.name() + ")" + where);
-    // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one data gradient over the concatenated filters.
-    check_cuda(run_dgrad(c.dgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], wp(W.conv1), wflip(W.conv1_flip),
-                         tb.dx[ii], ws, wsb, stream),
-               "conv1 data gradient (" + c.dgrad1.name() + ")" + where);
-    if (!b.has_downsample && ii > 0) {  // dx = d a + dz; d b1a = sum of d a (block 1: the stem's)
-      check_cuda(kernels::launch_add_and_sum(tb.dx[ii], tb.dz[ii], tb.dx[ii],
-                                             int64_t(bp.conv1.n) * bp.conv1.h * bp.conv1.w * b.in_planes,
-                                             grad(b.prefix + "fixup_bias1a"), m.dtype, ws, stream),
-                 "identity gradient" + where);
+  if (t.scratch != scratch_before || t.d_grad_jobs != jobs_before) m.train_graphs.clear();  // addresses baked in
+
+  // --- the backward, from the last block (replayed as a graph per geometry and caller's pointers) -------------
+  LaunchGraphCache::Key key{1,
+                            g.n,
+                            g.h,
+                            g.w,
+                            int64_t(x.dtype),
+                            reinterpret_cast<int64_t>(x.data),
+                            reinterpret_cast<int64_t>(dy.data),
+                            int64_t(dy.dtype),
+                            reinterpret_cast<int64_t>(grads),
+                            dx ? reinterpret_cast<int64_t>(dx->data) : 0,
+                            dx ? int64_t(dx->dtype) : -1};
+  key.insert(key.end(), x.strides.begin(), x.strides.end());
+  // The launches go to the lambda's stream: the caller's, or the capture stream when the graph is recorded.
+  m.train_graphs.run(key, stream, [&](cudaStream_t stream) {
+    void* ws = t.scratch;
+    for (size_t ii = nb; ii-- > 0;) {
+      const auto& b = m.blocks[ii];
+      const BlockWeights& W = m.bw[ii];
+      const BlockProblems& bp = probs[ii];
+      const std::string where = " (block '" + b.prefix + "')";
+      const BlockConvs& c = convs[ii];
+      const size_t wsb = t.scratch_bytes;
+      check_cuda(kernels::launch_se_backward(se[ii], m.dtype, ws, stream), "squeeze-excite backward" + where);
+      check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], ws, wsb, stream),
+                 "conv2 weight gradient (" + c.wgrad2.name() + ")" + where);
+      // dh2 / scale = conv2^T(d_o); the ReLU-mask backward applies the scale.
+      check_cuda(run_dgrad(c.dgrad2, bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2), wflip(W.conv2_flip),
+                           tb.dh2[ii], ws, wsb, stream),
+                 "conv2 data gradient (" + c.dgrad2.name() + ")" + where);
+      check_cuda(kernels::launch_relu_mask_backward(mask[ii], m.dtype, ws, stream), "ReLU mask backward" + where);
+      check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], ws, wsb, stream),
+                 "conv1 weight gradient (" + c.wgrad1.name() + ")" + where);
+      // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one data gradient over the concatenated filters.
+      check_cuda(run_dgrad(c.dgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], wp(W.conv1), wflip(W.conv1_flip),
+                           tb.dx[ii], ws, wsb, stream),
+                 "conv1 data gradient (" + c.dgrad1.name() + ")" + where);
+      if (!b.has_downsample && ii > 0) {  // dx = d a + dz; d b1a = sum of d a (block 1: the stem's)
+        check_cuda(kernels::launch_add_and_sum(tb.dx[ii], tb.dz[ii], tb.dx[ii],
+                                               int64_t(bp.conv1.n) * bp.conv1.h * bp.conv1.w * b.in_planes,
+                                               grad(b.prefix + "fixup_bias1a"), m.dtype, ws, stream),
+                   "identity gradient" + where);
+      }
     }
-  }
-  check_cuda(kernels::launch_stem_backward(sb, m.dtype, ws, stream), "stem backward");
-  check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs, int(jobs.size()), m.dtype, ws, stream),
-             "gradient finalize");
+    check_cuda(kernels::launch_stem_backward(sb, m.dtype, ws, stream), "stem backward");
+    check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs, int(jobs.size()), m.dtype, ws, stream),
+               "gradient finalize");
+  }, m.use_graphs);
 }
 
 }  // namespace kfuse

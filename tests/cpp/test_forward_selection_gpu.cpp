@@ -128,10 +128,16 @@ TEST_P(ForwardCandidates, EveryCandidateMatchesFloat64) {
     EXPECT_LE(err, fprop_tol(dt)) << "normwise relative error, alpha=" << scalars[0] << " pre=" << scalars[1]
                                   << " post=" << scalars[2];
     if (relu) {  // the ReLU's decision stays readable from the stored value (the training backward's mask)
+      // Outside a band around the threshold as wide as the allowed error: there the kernel's own pre-activation has
+      // the reference's sign (split-K rounds its partial sums to T, which can move values near 0 across it).
+      double rms = 0;
+      for (double r : ref) rms += r * r;
+      rms = std::sqrt(rms / double(ref.size()));
+      const double band = 2 * fprop_tol(dt) * rms;
       const double post_t = kfuse::bits_to_float(kfuse::float_to_bits(scalars[2], dt), dt);
       size_t unreadable = 0;
       for (size_t i = 0; i < out.size(); ++i)
-        if (ref[i] - scalars[2] > 1e-3 * std::abs(ref[i]) + 1e-6 && !(out[i] > post_t)) ++unreadable;
+        if (ref[i] - scalars[2] > band && !(out[i] > post_t)) ++unreadable;
       EXPECT_EQ(unreadable, 0u) << "active ReLU outputs stored as T(post) or below";
     }
   }

@@ -248,3 +248,45 @@ def test_training_errors_are_clear(make_reference):
     enc.layers[0][0].conv1.weight.data = enc.layers[0][0].conv1.weight.data.half()
     with pytest.raises(ValueError, match="one dtype"):
         enc(torch.rand(2, 3, 64, 64, device="cuda"))
+
+
+def test_training_graphs_replay_the_eager_step(make_reference):
+    """The training forward and backward run eagerly the first time per (geometry, pointers), are captured as CUDA
+    graphs the second time and replayed after: every run, on fresh inputs and NaN-poisoned outputs, must give what
+    the eager launches give (same kernels; a tolerance only for cuDNN algorithms that sum in a varying order)."""
+    enc = kfuse.ResNetEncoder.from_torch(make_reference(in_channels=3, seed=61)).cuda().train()
+    enc(torch.rand(6, 3, 64, 64, device="cuda"))  # builds the engine and packs the weights
+    gpu = enc._gpu_engines[(0, torch.float16)][0]
+    stream = torch.cuda.current_stream().cuda_stream
+    total = sum(p.numel() for p in enc.parameters())
+    gen = torch.Generator().manual_seed(62)
+    x = torch.empty(6, 3, 64, 64, device="cuda")
+    y = torch.empty(6, 512, 2, 2, device="cuda")
+    dy = torch.empty_like(y)
+    grads = torch.empty(total, device="cuda")
+    dx = torch.empty_like(x)
+    inputs = [(torch.rand(6, 3, 64, 64, generator=gen), loss_gradient(6, gen)) for _ in range(4)]
+
+    def step(i, buffers):
+        bx, by, bdy, bgrads, bdx = buffers
+        bx.copy_(inputs[i][0])
+        bdy.copy_(inputs[i][1])
+        for t in (by, bgrads, bdx):
+            t.fill_(float("nan"))
+        stash = gpu.forward_train(bx, by, stream)
+        gpu.backward(stash, bx, bdy, bgrads, bdx, stream)
+        torch.cuda.synchronize()
+        return by.clone(), bgrads.clone(), bdx.clone()
+
+    same = (x, y, dy, grads, dx)
+    graphed = [step(i, same) for i in range(3)]  # eager (warm-up), captured, replayed
+    assert gpu.graph_count >= 2, "the training forward and backward were not captured"
+    moved = (x.clone(), torch.empty_like(y), torch.empty_like(dy), torch.empty_like(grads), torch.empty_like(dx))
+    graphed.append(step(3, moved))  # other pointers: a new key, eager again, and never the old graph's buffers
+    gpu.set_use_graphs(False)
+    eager = [step(i, same) for i in range(4)]
+    gpu.set_use_graphs(True)
+    for i, (g, e) in enumerate(zip(graphed, eager)):
+        for what, a, b in zip(("y", "grads", "dx"), g, e):
+            assert torch.isfinite(a).all(), f"run {i}: {what} has unwritten (NaN) elements"
+            assert rel_err(a, b) <= 1e-3, f"run {i}: {what} differs from the eager step by {rel_err(a, b):.2e}"

@@ -1,0 +1,50 @@
+// Replays a host-expensive launch sequence as a CUDA graph, one per key (the caller's pointers and everything else
+// baked into the launches). The training step's forward and backward are ~30 launches each, and cuDNN's calls take
+// tens of microseconds of host time apiece: issued one by one they leave the GPU waiting; as a graph the host cost
+// is one cudaGraphLaunch.
+//
+// The first run of a key is eager (a warm-up: lazy module loading and libraries' first-call work do not belong in
+// a capture), the second is captured on a private stream and launched, later ones replay. The cache holds at most
+// `capacity` graphs and evicts the least recently used (an executable graph destroyed in flight is freed when it
+// completes). The owner clears it whenever anything baked into the launches changes (buffers reallocated, kernel
+// choices retuned, job tables moved).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+namespace kfuse {
+
+class LaunchGraphCache {
+ public:
+  using Key = std::vector<int64_t>;
+  using Launch = std::function<void(cudaStream_t)>;
+
+  explicit LaunchGraphCache(size_t capacity = 8) : capacity_(capacity) {}
+  ~LaunchGraphCache() { clear(); }
+  LaunchGraphCache(const LaunchGraphCache&) = delete;
+  LaunchGraphCache& operator=(const LaunchGraphCache&) = delete;
+
+  // Runs `launch`'s sequence on `stream` (eagerly, or as the key's graph). Throws kfuse::Error on CUDA failures;
+  // a capture that fails leaves no graph behind. `enabled` false: always eager (and nothing is remembered).
+  void run(const Key& key, cudaStream_t stream, const Launch& launch, bool enabled = true);
+  void clear();
+  size_t graph_count() const;
+
+ private:
+  struct Entry {
+    cudaGraphExec_t exec = nullptr;  // null: seen once, not captured yet
+    uint64_t last_use = 0;
+  };
+  // Drops least recently used entries (with a graph only, or any) until fewer than `limit` remain of that kind.
+  void evict_oldest(bool graphs_only, size_t limit);
+  std::map<Key, Entry> entries_;
+  size_t capacity_;
+  uint64_t clock_ = 0;
+};
+
+}  // namespace kfuse
