@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "kfuse/tuner.h"
+
 struct CUstream_st;
 
 namespace kfuse {
@@ -87,8 +89,13 @@ struct MlpVariant {
   bool weights_resident = true;  // all layers' weights in shared memory for the CTA's life (persistent CTAs);
                                  // otherwise streamed through two shared-memory buffers in k-chunks
   int k_chunk = 64;           // columns per streamed chunk (multiple of 16); ignored when resident
+  // Weight and bias gradients inside the backward kernel: each CTA accumulates its share of every dW and db in
+  // registers over all its row blocks (the warps split each layer's dW), then a small kernel sums the CTAs'
+  // partials. Needs resident weights and accumulators that fit the register budget (mlp_fused_wgrad_fits);
+  // otherwise the backward kernel stores every layer's dz and cuBLAS computes the gradients from it.
+  bool fused_wgrad = false;
 
-  std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64"
+  std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64", "mt2_w8_resident_fw"
   int rows_per_cta() const { return 16 * m_tiles * warps; }
   bool operator==(const MlpVariant&) const = default;
 };
@@ -100,6 +107,21 @@ size_t mlp_backward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
 // default first); the heuristic default alone is mlp_default_variant.
 std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin);
 MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin);
+// Whether `v` can take fused_wgrad for `spec` (its value of fused_wgrad aside): resident weights, per-thread weight
+// gradient accumulators within the budget, shared memory within smem_optin.
+bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_optin);
+
+// The variants the autotuner chose for one spec and batch on one device: the forward's and the backward's, timed as
+// two ops ("mlp_forward", "mlp_backward") over mlp_candidate_variants, each checked against the heuristic
+// default's output and cached like every kfuse op (kfuse/tuner.h). The two may differ: weights, stash and
+// activations are laid out the same for every variant, so a training forward of one feeds the backward of another.
+// Compiles (or loads from the kernel cache) one FusedMlp per candidate when it has to time them.
+struct MlpTuning {
+  MlpVariant forward, backward;
+  std::vector<OpTuningReport> rows;  // forward, backward
+};
+MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mode = TuningMode::kOnFirstUse,
+                   const TunerOptions& options = {});
 
 // How a FusedMlp got its kernels: compile time and whether the binary came from the disk cache.
 struct MlpBuildInfo {
@@ -133,7 +155,9 @@ class FusedMlp {
   // Device buffers the caller allocates (16-byte aligned).
   size_t packed_weights_bytes() const;                 // the kernels' weight layout (both orientations) + biases
   size_t stash_bytes(int64_t batch) const;             // what forward_train keeps for backward
-  size_t backward_workspace_bytes(int64_t batch) const;  // per-layer activation gradients + a ones vector
+  // fused_wgrad: a float32 partial gradient vector for each CTA the backward kernel can launch on this device;
+  // otherwise every layer's activation gradient dz (batch rows) + a ones vector.
+  size_t backward_workspace_bytes(int64_t batch) const;
 
   // Packs the layers' weights (and biases; nullptr where a layer has none) from PyTorch layouts in spec.dtype.
   void pack_weights(const std::vector<const void*>& weights, const std::vector<const void*>& biases, void* packed,

@@ -86,6 +86,10 @@ def mlp_impls(model: nn.Sequential, x: torch.Tensor, dy: torch.Tensor, names: li
     if wanted("kfuse") and _C.cuda_device_count() > 0:
         try:
             fused = FusedMLP.from_torch(half)
+            # The autotuner's variants for this batch (cached across runs; `kfuse tune` semantics).
+            rows = fused.tune(x.shape[0])
+            print("[bench] kfuse variants: " + ", ".join(f"{r['op']} {r['choice']}"
+                                                         f"{' (cached)' if r['from_cache'] else ''}" for r in rows))
             f, t = pair(fused, fused)
             f(), t()
             impls["kfuse"] = (f, t)

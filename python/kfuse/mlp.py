@@ -137,14 +137,14 @@ class _FusedFunction(torch.autograd.Function):
     as inputs so that autograd routes their gradients; the kernels read them from the packed buffer."""
 
     @staticmethod
-    def forward(ctx, engine, packed, train, out_width, x, *params):
+    def forward(ctx, engine, bwd_engine, packed, train, out_width, x, *params):
         batch = x.shape[0]
         y = torch.empty(batch, out_width, dtype=x.dtype, device=x.device)
         stream = _cuda_stream(x.device)
         if train:
             stash = torch.empty(max(engine.stash_bytes(batch), 16), dtype=torch.uint8, device=x.device)
             engine.forward_train(packed, x, y, stash, stream)
-            ctx.engine = engine
+            ctx.engine = bwd_engine  # may be another variant: weights, stash and y are laid out the same
             ctx.param_shapes = [p.shape for p in params]
             ctx.param_dtype = params[0].dtype
             ctx.save_for_backward(x, y, stash, packed)
@@ -163,14 +163,14 @@ class _FusedFunction(torch.autograd.Function):
             dy = dy.clone()
         workspace = torch.empty(engine.backward_workspace_bytes(batch), dtype=torch.uint8, device=x.device)
         grads = torch.empty(engine.num_parameters, dtype=torch.float32, device=x.device)
-        dx = torch.empty_like(x) if ctx.needs_input_grad[4] else None
+        dx = torch.empty_like(x) if ctx.needs_input_grad[5] else None
         engine.backward(packed, x, y, dy, stash, workspace, grads, dx, _cuda_stream(x.device))
         if ctx.param_dtype != torch.float32:
             grads = grads.to(ctx.param_dtype)
         sizes = [math.prod(s) for s in ctx.param_shapes]
         out = [g.view(s) if need else None
-               for g, s, need in zip(torch.split(grads, sizes), ctx.param_shapes, ctx.needs_input_grad[5:])]
-        return (None, None, None, None, dx, *out)
+               for g, s, need in zip(torch.split(grads, sizes), ctx.param_shapes, ctx.needs_input_grad[6:])]
+        return (None, None, None, None, None, dx, *out)
 
 
 class FusedMLP(nn.Module):
@@ -213,6 +213,10 @@ class FusedMLP(nn.Module):
                                     for i in range(n_layers))
         self._engines: dict = {}
         self._packed = None  # (key, packed tensor)
+        # The kernel variants the GPU path uses for the forward (and training forward) and for the backward: None
+        # for the heuristic default, else a tuple as engine() takes. tune() sets both.
+        self.variant: tuple | None = None
+        self.backward_variant: tuple | None = None
 
     # -- construction --------------------------------------------------------------------------------------------
     @classmethod
@@ -259,6 +263,26 @@ class FusedMLP(nn.Module):
                     dst.bias.copy_(src.bias)
         return mlp
 
+    def tune(self, batch: int, mode: str = "on", device: torch.device | str | None = None,
+             dtype: torch.dtype | None = None) -> list[dict]:
+        """Chooses the forward and backward kernel variants for `batch` rows with kfuse's autotuner: every candidate
+        variant compiled (or loaded from the kernel cache), timed on random data, checked against the default's
+        output; the choice is cached on disk (mode 'on': a cached choice is used as is, 'retune': time again, 'off':
+        the heuristic default). Sets `variant` and `backward_variant`; returns the tuner's report rows (print them
+        with kfuse.format_tuning_table)."""
+        p = self.layers[0].weight
+        device = torch.device(device) if device is not None else p.device
+        if device.type != "cuda":
+            raise ValueError(f"FusedMLP.tune needs a CUDA device, got {device}")
+        compute = dtype or (p.dtype if p.dtype in _GPU_DTYPES else torch.float16)
+        if compute not in _GPU_DTYPES:
+            raise ValueError(f"FusedMLP.tune: dtype must be float16 or bfloat16, got {compute}")
+        fwd, bwd, rows = _C.mlp_tune(self.input_width, self.hidden_widths, self.output_width,
+                                     [a.as_tuple() for a in self.activations], self.output_activation.as_tuple(),
+                                     self.bias_flags, _GPU_DTYPES[compute], device.index or 0, int(batch), mode)
+        self.variant, self.backward_variant = tuple(fwd), tuple(bwd)
+        return list(rows)
+
     # -- GPU plumbing --------------------------------------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
         out = []
@@ -269,7 +293,10 @@ class FusedMLP(nn.Module):
         return out
 
     def engine(self, device: torch.device, compute_dtype: torch.dtype, variant: tuple | None = None):
-        """The generated kernels for this MLP on `device` (compiled or loaded from the cache on first use)."""
+        """The generated kernels for this MLP on `device` (compiled or loaded from the cache on first use).
+
+        `variant`: None for the heuristic default, else (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad])
+        as in kfuse::MlpVariant (include/kfuse/mlp.h)."""
         key = (device.index or 0, compute_dtype, variant)
         e = self._engines.get(key)
         if e is None:
@@ -319,11 +346,12 @@ class FusedMLP(nn.Module):
             return x.new_empty(*lead, self.output_width, dtype=p.dtype)
         if x2.data_ptr() % 16:
             x2 = x2.clone()
-        engine = self.engine(x.device, compute)
+        engine = self.engine(x.device, compute, self.variant)
         params = self._params()
         packed = self._packed_weights(engine, params, compute)
         train = torch.is_grad_enabled() and (x2.requires_grad or any(q.requires_grad for q in params))
-        y = _FusedFunction.apply(engine, packed, train, self.output_width, x2, *params)
+        bwd_engine = self.engine(x.device, compute, self.backward_variant) if train else engine
+        y = _FusedFunction.apply(engine, bwd_engine, packed, train, self.output_width, x2, *params)
         return y.to(p.dtype).reshape(*lead, self.output_width)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@
 #endif
 #include "kfuse/encoder_params.h"
 #include "kfuse/reference.h"
+#include "tuning_report_dict.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -184,12 +185,6 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> param_specs_py(const C
 #if KFUSE_WITH_CUDA
 namespace kfuse {
 namespace {
-TuningMode parse_tuning_mode(const std::string& mode) {
-  if (mode == "off") return TuningMode::kOff;
-  if (mode == "on") return TuningMode::kOnFirstUse;
-  if (mode == "retune") return TuningMode::kRetune;
-  throw InvalidArgument("tuning mode must be 'off', 'on' or 'retune', got '" + mode + "'");
-}
 
 // The inference hot path's validated call: the input and output views of one (geometry, dtype, strides, device)
 // made once through DLPack; later calls of the same kind pass only the two data pointers (EncoderGpu::forward
@@ -198,32 +193,6 @@ struct CallSpec {
   DeviceTensorView x, y;
 };
 
-nb::dict report_dict(const OpTuningReport& r) {
-  auto num = [](double v) -> nb::object { return std::isnan(v) ? nb::none() : nb::cast(v); };
-  nb::dict d;
-  d["op"] = r.op;
-  d["shape"] = r.shape;
-  d["dtype"] = r.dtype;
-  d["default"] = r.default_choice;
-  d["choice"] = r.choice;
-  d["default_ms"] = num(r.default_ms);
-  d["tuned_ms"] = num(r.tuned_ms);
-  d["spread_ms"] = num(r.spread_ms);
-  d["cudnn_ms"] = num(r.cudnn_ms);
-  d["from_cache"] = r.from_cache;
-  nb::list cands;
-  for (const auto& c : r.candidates) {
-    nb::dict cd;
-    cd["name"] = c.name;
-    cd["median_ms"] = c.rejected ? nb::none() : nb::cast(c.median_ms);
-    cd["min_ms"] = c.rejected ? nb::none() : nb::cast(c.min_ms);
-    cd["max_ms"] = c.rejected ? nb::none() : nb::cast(c.max_ms);
-    cd["rejected"] = c.rejected;
-    cands.append(cd);
-  }
-  d["candidates"] = cands;
-  return d;
-}
 }  // namespace
 }  // namespace kfuse
 #endif

@@ -16,6 +16,7 @@
 
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
+#include "tuning_report_dict.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -96,6 +97,19 @@ int64_t batch_of(const FusedMlp& mlp, const Array& x) {
 
 FusedMlp::Stream as_stream(uintptr_t s) { return reinterpret_cast<FusedMlp::Stream>(s); }
 
+// (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad]): MlpVariant's fields in order.
+MlpVariant variant_from_tuple(const nb::tuple& t) {
+  KFUSE_CHECK(t.size() == 4 || t.size() == 5, InvalidArgument,
+              "variant must be (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad]), got ", t.size(), " items");
+  MlpVariant v{nb::cast<int>(t[0]), nb::cast<int>(t[1]), nb::cast<bool>(t[2]), nb::cast<int>(t[3])};
+  if (t.size() == 5) v.fused_wgrad = nb::cast<bool>(t[4]);
+  return v;
+}
+
+nb::tuple variant_tuple(const MlpVariant& v) {
+  return nb::make_tuple(v.m_tiles, v.warps, v.weights_resident, v.k_chunk, v.fused_wgrad);
+}
+
 nb::dict build_info_dict(const FusedMlp& mlp) {
   const MlpBuildInfo& b = mlp.build_info();
   nb::dict d;
@@ -145,20 +159,44 @@ void bind_mlp(nb::module_& m) {
         "dtype"_a, "Validates an MLP spec (raises ValueError naming the problem) and describes it");
 
 #if KFUSE_WITH_CUDA
+  m.def(
+      "mlp_tune",
+      [](int in, const std::vector<int>& hidden, int out, const std::vector<ActivationTuple>& acts,
+         const ActivationTuple& out_act, const std::vector<bool>& bias, const std::string& dtype, int device,
+         int64_t batch, const std::string& mode) {
+        KFUSE_CHECK(dtype == "float16" || dtype == "bfloat16", InvalidArgument,
+                    "MLP dtype must be 'float16' or 'bfloat16', got '", dtype, "'");
+        MlpSpec s{in, hidden, out, {}, from_tuple(out_act), bias,
+                  dtype == "bfloat16" ? MlpDType::kBFloat16 : MlpDType::kFloat16};
+        for (const auto& a : acts) s.activations.push_back(from_tuple(a));
+        const TuningMode tm = parse_tuning_mode(mode);
+        MlpTuning t;
+        {
+          nb::gil_scoped_release release;
+          t = tune_mlp(s, device, batch, tm);
+        }
+        nb::list rows;
+        for (const auto& r : t.rows) rows.append(report_dict(r));
+        return nb::make_tuple(variant_tuple(t.forward), variant_tuple(t.backward), rows);
+      },
+      "input_width"_a, "hidden_widths"_a, "output_width"_a, "activations"_a, "output_activation"_a, "bias"_a,
+      "dtype"_a, "device"_a, "batch"_a, "mode"_a = "on",
+      "Tunes the forward and backward kernel variants (kfuse::tune_mlp); returns (forward, backward, report rows)");
   nb::class_<FusedMlp>(m, "FusedMlpGpu", "A fused MLP's generated kernels on one CUDA device (kfuse::FusedMlp)")
       .def("__init__",
            [](FusedMlp* self, int in, const std::vector<int>& hidden, int out, const std::vector<ActivationTuple>& acts,
               const ActivationTuple& out_act, const std::vector<bool>& bias, const std::string& dtype, int device,
-              std::optional<std::tuple<int, int, bool, int>> variant) {
+              std::optional<nb::tuple> variant) {
              KFUSE_CHECK(dtype == "float16" || dtype == "bfloat16", InvalidArgument,
                          "MLP dtype must be 'float16' or 'bfloat16', got '", dtype, "'");
              MlpSpec s{in, hidden, out, {}, from_tuple(out_act), bias,
                        dtype == "bfloat16" ? MlpDType::kBFloat16 : MlpDType::kFloat16};
              for (const auto& a : acts) s.activations.push_back(from_tuple(a));
+             const std::optional<MlpVariant> v =
+                 variant ? std::optional<MlpVariant>(variant_from_tuple(*variant)) : std::nullopt;
              nb::gil_scoped_release release;
-             if (variant) {
-               const auto& [mt, warps, resident, kc] = *variant;
-               new (self) FusedMlp(s, device, MlpVariant{mt, warps, resident, kc});
+             if (v) {
+               new (self) FusedMlp(s, device, *v);
              } else {
                new (self) FusedMlp(s, device);
              }

@@ -1,16 +1,21 @@
-// CUDA source generation for one fused MLP (spec + kernel variant). The module holds five kernels:
+// CUDA source generation for one fused MLP (spec + kernel variant). The module holds these kernels:
 //   kfuse_mlp_pack(PackParams)                     weights and biases from PyTorch layouts into the packed layout;
 //   kfuse_mlp_forward / kfuse_mlp_forward_train(FwdParams)   the forward (the latter also writes the stash);
-//   kfuse_mlp_backward / kfuse_mlp_backward_dx(BwdParams)    the activation-gradient chain (dz of every layer, and
-//                                                             dL/dx for the _dx one).
+//   kfuse_mlp_backward / kfuse_mlp_backward_dx(BwdParams)    the activation-gradient chain (and dL/dx for the _dx
+//       one). Without fused_wgrad they store every layer's dz (the runtime's cuBLAS GEMMs make the weight gradients
+//       from it); with fused_wgrad they accumulate the weight and bias gradients themselves and each CTA writes
+//       its partial gradient vector (codegen/mlp_wgrad_plan.h);
+//   kfuse_mlp_wgrad_reduce(ReduceParams)           fused_wgrad only: sums the CTAs' partials into the gradients
+//       (256 threads, ceil(num_parameters / 32) CTAs, no dynamic shared memory).
 // Parameter structs (by value, in this order; pointers are device pointers, i64 = long long):
-//   PackParams { const u16* w[kMaxLayers]; const u16* b[kMaxLayers]; u16* out; float* bias_out; }
-//   FwdParams  { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; i64 num_blocks; }
-//   BwdParams  { const u16* dy; const u16* y; const u16* stash; const u16* w; u16* dz; u16* dx; i64 batch;
-//                i64 num_blocks; }
+//   PackParams   { const u16* w[kMaxLayers]; const u16* b[kMaxLayers]; u16* out; float* bias_out; }
+//   FwdParams    { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; i64 num_blocks; }
+//   BwdParams    { const u16* dy; const u16* y; const u16* stash; const u16* w; u16* dz; u16* dx; const u16* x;
+//                  float* partials; i64 batch; i64 num_blocks; }   (dz: without fused_wgrad; x, partials: with it)
+//   ReduceParams { const float* partials; float* grads; int slices; }   (slices: the backward's grid size)
 // FwdParams.w points at the packed forward region, BwdParams.w at the backward region (codegen/mlp_layout.h).
-// Every kernel runs warps * 32 threads per CTA with the variant's dynamic shared memory; the forward and backward
-// kernels loop over row blocks (persistent CTAs): any grid size up to num_blocks works.
+// Every forward and backward kernel runs warps * 32 threads per CTA with the variant's dynamic shared memory and
+// loops over row blocks (persistent CTAs): any grid size up to num_blocks works.
 #pragma once
 
 #include <string>
@@ -25,7 +30,8 @@ constexpr int kMaxLayers = MlpSpec::kMaxHiddenLayers + 1;
 const char* mlp_device_library();
 
 // Which kernels a module holds: the forward part (pack, forward, forward_train) is compiled when the MLP is
-// created; the backward part (backward, backward_dx) separately, so that an inference-only MLP never waits for it.
+// created; the backward part (backward, backward_dx, wgrad_reduce) separately, so that an inference-only MLP never
+// waits for it.
 enum class MlpModulePart { kForward, kBackward, kAll };
 
 // The module source. Deterministic: equal arguments give equal text (the disk cache's key).

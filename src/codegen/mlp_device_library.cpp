@@ -66,6 +66,25 @@ __device__ __forceinline__ void ldsm4(u32 addr, u32& r0, u32& r1, u32& r2, u32& 
                : "r"(addr));
 }
 
+// The transposing form: each thread gets a column pair of the 8x8 matrices instead of a row pair.
+__device__ __forceinline__ void ldsm4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared_v4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -86,6 +105,40 @@ __device__ __forceinline__ void copy_tile(u32 dst, const u16* src) {
   for (int i = threadIdx.x; i < ROWS * PIECES; i += THREADS) {
     const int r = i / PIECES, c = (i % PIECES) * 8;
     cp_async16(dst + (r * DST_STRIDE + c) * 2, src + r * SRC_STRIDE + c);
+  }
+}
+
+// All threads copy rows [row0, row0 + ROWS) of a (batch x WIDTH) array into a shared tile of COLS columns (WIDTH
+// rounded up to 16) with rows STRIDE halves apart, zero beyond the batch and beyond WIDTH: zeros, not stale data,
+// because the tile is an mma operand summed over all its rows. 16-byte pieces inside the array go by cp.async
+// (WIDTH % 8 == 0 keeps them 16-byte aligned); the rest (an input width that is not a multiple of 8) by plain
+// loads, visible after the caller's next barrier like the cp.async pieces after its wait.
+template <int ROWS, int WIDTH, int COLS, int STRIDE, int THREADS>
+__device__ __forceinline__ void copy_rows_zero_fill(u32 dst, const u16* __restrict__ src, i64 row0, i64 batch) {
+  constexpr int PIECES = COLS / 8;
+  // 32-bit arithmetic inside the tile (the 64-bit parts once): keeps the unrolled copy's registers few.
+  const u16* base = src + row0 * WIDTH;
+  const int rows = static_cast<int>(min(static_cast<i64>(ROWS), batch - row0));
+#pragma unroll
+  for (int it = 0; it < (ROWS * PIECES + THREADS - 1) / THREADS; ++it) {
+    const int i = threadIdx.x + it * THREADS;
+    if ((ROWS * PIECES) % THREADS != 0 && i >= ROWS * PIECES) break;
+    const int r = i / PIECES, c = (i % PIECES) * 8;
+    const u32 d = dst + (r * STRIDE + c) * 2;
+    if (WIDTH % 8 == 0 && (COLS == WIDTH || c < WIDTH)) {
+      if (r < rows) cp_async16(d, base + r * WIDTH + c);
+      else st_shared_v4(d, 0u, 0u, 0u, 0u);
+    } else {
+      u32 v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int c0 = c + 2 * j;
+        const u32 lo = r < rows && c0 < WIDTH ? static_cast<u32>(__ldg(base + r * WIDTH + c0)) : 0u;
+        const u32 hi = r < rows && c0 + 1 < WIDTH ? static_cast<u32>(__ldg(base + r * WIDTH + c0 + 1)) : 0u;
+        v[j] = lo | (hi << 16);
+      }
+      st_shared_v4(d, v[0], v[1], v[2], v[3]);
+    }
   }
 }
 
@@ -243,6 +296,129 @@ __device__ __forceinline__ void load_c(float (&v)[MT][NT][4], const u16* __restr
         v[mt][nt][2 * h + 1] = v1;
       }
     }
+}
+
+// Stores a warp's A fragments (16-bit activation gradients: its 16 MT rows x 16 KT columns) into a shared tile with
+// rows STRIDE halves apart; rows >= batch as zeros. `trow`: the lane's first row (tile row g) inside the tile; `row`:
+// the same row in the batch.
+template <int STRIDE, int MT, int KT>
+__device__ __forceinline__ void store_a_shared(u32 tile, const u32 (&a)[MT][KT][4], int trow, i64 row, i64 batch,
+                                               int q) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool inside = row + mt * 16 + h * 8 < batch;
+      const u32 base = tile + ((trow + mt * 16 + h * 8) * STRIDE + 2 * q) * 2;
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        st_shared_u32(base + kt * 32, inside ? a[mt][kt][h] : 0u);
+        st_shared_u32(base + kt * 32 + 16, inside ? a[mt][kt][2 + h] : 0u);
+      }
+    }
+}
+
+// Loads a C-layout tile of 16-bit values as floats from a shared tile with rows STRIDE halves apart (`trow` as for
+// store_a_shared).
+template <int STRIDE, int MT, int NT>
+__device__ __forceinline__ void load_c_shared(float (&v)[MT][NT][4], u32 tile, int trow, int q) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const u32 both = ld_shared_u32(tile + ((trow + mt * 16 + h * 8) * STRIDE + nt * 8 + 2 * q) * 2);
+        v[mt][nt][2 * h] = from_bits(static_cast<u16>(both & 0xffffu));
+        v[mt][nt][2 * h + 1] = from_bits(static_cast<u16>(both >> 16));
+      }
+}
+
+// Weight and bias gradients of one layer over one row block (codegen/mlp_wgrad_plan.h): acc += dz^T h and
+// bacc += dz^T 1 for the warp's out-tiles (m) and in-pairs (n), k = the KSTEPS * 16 rows of the shared tiles dz
+// (rows x out, rows DSTRIDE halves apart) and h (rows x in, HSTRIDE). Both operands are stored k-major, so both go
+// through ldmatrix.trans: the A fragment of dz^T at (m0, k0) is the four 8x8 blocks of dz at rows k0 / k0 + 8 and
+// columns m0 / m0 + 8; the B fragments of two n-tiles of h likewise.
+template <int OT, int IP, int WO, int WI, int OUT_TILES, int IN_PAIRS, int KSTEPS, int DSTRIDE, int HSTRIDE, bool BIAS>
+__device__ __forceinline__ void wgrad_accumulate(float (&acc)[OT][2 * IP][4], float (&bacc)[OT][4], u32 dz, u32 h,
+                                                 int warp, int lane) {
+  const int wo = warp % WO, wi = warp / WO;
+  // Lane l addresses row l % 8 of 8x8 block l / 8. A blocks: (k0, m0), (k0, m0 + 8), (k0 + 8, m0), (k0 + 8, m0 + 8)
+  // = a0..a3; B blocks: (k0, n0), (k0 + 8, n0), (k0, n0 + 8), (k0 + 8, n0 + 8) = b0, b1 of n-tile n0 / 8, then of
+  // the next.
+  const u32 a_base = dz + (((lane & 7) + ((lane >> 4) << 3)) * DSTRIDE + (((lane >> 3) & 1) << 3)) * 2;
+  const u32 b_base = h + (((lane & 7) + (((lane >> 3) & 1) << 3)) * HSTRIDE + ((lane >> 4) << 3)) * 2;
+  const u32 ones = pack2(1.0f, 1.0f);
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    u32 b[IP][4];
+#pragma unroll
+    for (int j = 0; j < IP; ++j) {
+      const int ip = wi + j * WI;
+      if (IN_PAIRS % WI == 0 || ip < IN_PAIRS)
+        ldsm4_trans(b_base + (ks * 16 * HSTRIDE + ip * 16) * 2, b[j][0], b[j][1], b[j][2], b[j][3]);
+    }
+#pragma unroll
+    for (int i = 0; i < OT; ++i) {
+      const int ot = wo + i * WO;
+      if (OUT_TILES % WO != 0 && ot >= OUT_TILES) continue;
+      u32 a[4];
+      ldsm4_trans(a_base + (ks * 16 * DSTRIDE + ot * 16) * 2, a[0], a[1], a[2], a[3]);
+#pragma unroll
+      for (int j = 0; j < IP; ++j) {
+        if (IN_PAIRS % WI != 0 && wi + j * WI >= IN_PAIRS) continue;
+        mma(acc[i][2 * j], a, b[j][0], b[j][1]);
+        mma(acc[i][2 * j + 1], a, b[j][2], b[j][3]);
+      }
+      // The warps_in warps of this out-tile take turns over the k-steps.
+      if (BIAS && ks % WI == wi) mma(bacc[i], a, ones, ones);
+    }
+  }
+}
+
+// The CTA's weight gradient partial of one layer into `dst` (PyTorch's (OUT, IN) layout, true widths: the padding
+// rows and columns are dropped).
+template <int OT, int IP, int WO, int WI, int OUT, int IN>
+__device__ __forceinline__ void store_wgrad_partial(const float (&acc)[OT][2 * IP][4], float* __restrict__ dst,
+                                                    int warp, int lane) {
+  const int wo = warp % WO, wi = warp / WO, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int i = 0; i < OT; ++i)
+#pragma unroll
+    for (int t = 0; t < 2 * IP; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        // Out-tiles and in-pairs past the end give m >= OUT or n >= IN.
+        const int m = (wo + i * WO) * 16 + g + (e >> 1) * 8;
+        const int n = (2 * (wi + (t >> 1) * WI) + (t & 1)) * 8 + 2 * q + (e & 1);
+        if (m < OUT && n < IN) dst[m * IN + n] = acc[i][t][e];
+      }
+}
+
+// A warp's bias partials (every column of the ones product holds the sum: column 0, lanes with q == 0) into the
+// layer's shared scratch, WI rows of OUT_P floats, one row per warps_in index.
+template <int OT, int WO, int WI, int OUT_TILES, int OUT_P>
+__device__ __forceinline__ void store_bias_partial(const float (&bacc)[OT][4], float* scratch, int warp, int lane) {
+  const int wo = warp % WO, wi = warp / WO, g = lane >> 2;
+  if ((lane & 3) != 0) return;
+#pragma unroll
+  for (int i = 0; i < OT; ++i) {
+    const int ot = wo + i * WO;
+    if (OUT_TILES % WO != 0 && ot >= OUT_TILES) continue;
+    scratch[wi * OUT_P + ot * 16 + g] = bacc[i][0];
+    scratch[wi * OUT_P + ot * 16 + g + 8] = bacc[i][2];
+  }
+}
+
+// All threads: the layer's bias gradient partial = the sum of its WI scratch rows, in a fixed order.
+template <int OUT, int OUT_P, int WI, int THREADS>
+__device__ __forceinline__ void sum_bias_partials(const float* scratch, float* __restrict__ dst) {
+  for (int i = threadIdx.x; i < OUT; i += THREADS) {
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WI; ++w) s += scratch[w * OUT_P + i];
+    dst[i] = s;
+  }
 }
 
 template <int MT, int NT>

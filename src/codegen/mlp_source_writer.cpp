@@ -8,10 +8,13 @@
 //   streamed: the layers' weights pass through two shared buffers in chunks of k_chunk columns; the chunk sequence
 //     of a row block is known here, so each chunk's code prefetches the next one (across layer boundaries, and the
 //     first chunk of the next row block) while the warps multiply the current one: one barrier per chunk.
+// With fused_wgrad (resident weights only) the backward kernel also accumulates the weight and bias gradients
+// (WgradWriter; the split among warps in mlp_wgrad_plan.h): one barrier per layer and row block.
 #include <sstream>
 
 #include "codegen/mlp_codegen.h"
 #include "codegen/mlp_layout.h"
+#include "codegen/mlp_wgrad_plan.h"
 #include "kfuse/error.h"
 
 namespace kfuse::codegen {
@@ -47,8 +50,9 @@ class KernelWriter {
     for (const Chunk& c : chunks_) buffer_bytes_ = std::max<int64_t>(buffer_bytes_, int64_t(c.g.n) * (c.kc + 8) * 2);
   }
 
-  // Before the row-block loop: resident weights are copied once; streamed, the first chunk is requested.
-  void prologue() {
+  // Before the row-block loop: resident weights are copied once; streamed, the first chunk is requested. Then
+  // `before_loop` (the kernel's own set-up).
+  void prologue(const std::string& before_loop = "") {
     os_ << "  extern __shared__ __align__(16) unsigned char kfuse_smem[];\n"
         << "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;\n"
         << "  const u32 smem = smem_addr(kfuse_smem);\n";
@@ -58,6 +62,7 @@ class KernelWriter {
     } else {
       os_ << "  " << copy_call(chunks_.front(), "smem") << "\n  cp_async_commit();\n  u32 par = 0;\n";
     }
+    os_ << before_loop;
     os_ << "  for (i64 blk = blockIdx.x; blk < p.num_blocks; blk += gridDim.x) {\n"
         << "    const i64 row = blk * ROWS + warp * (16 * MT) + (lane >> 2);\n";
   }
@@ -185,22 +190,127 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
         "forward_body<true>(p); }\n\n";
 }
 
+// The fused weight gradients (MlpVariant::fused_wgrad, codegen/mlp_wgrad_plan.h): what the backward kernel adds
+// around its activation-gradient chain. Shared-memory tiles alternate by layer (`par`), so one barrier per layer
+// both publishes a layer's tiles and frees the ones the layer before last read.
+class WgradWriter {
+ public:
+  WgradWriter(std::ostringstream& os, const MlpSpec& s, const MlpLayout& m, const WgradPlan& plan)
+      : os_(os), s_(s), m_(m), plan_(plan) {}
+
+  // Accumulators, tile addresses and the first row block's input tile of the last layer.
+  std::string before_loop() const {
+    std::ostringstream o;
+    o << "  // fused weight gradients: the warp's dW blocks (wg) and bias partials (wb) per layer, for the CTA's life\n";
+    for (int l = 0; l < s_.num_layers(); ++l) {
+      const WgradLayerPlan& lp = plan_.layers[l];
+      o << "  float wg" << l << "[" << lp.out_tiles_per_warp << "][" << 2 * lp.in_pairs_per_warp << "][4];\n"
+        << "  zero_acc(wg" << l << ");\n"
+        << "  float wb" << l << "[" << lp.out_tiles_per_warp << "][4] = {};\n";
+    }
+    o << "  const u32 dz_tiles = smem + " << plan_.dz_tile_offset << "u, h_tiles = smem + " << plan_.h_tile_offset
+      << "u;\n"
+      << "  const int trow = warp * (16 * MT) + (lane >> 2);  // the lane's first row inside a row block's tiles\n"
+      << "  u32 par = 0;\n"
+      << "  if (blockIdx.x < p.num_blocks) " << input_tile_copy(s_.num_layers() - 1, "h_tiles", "blockIdx.x * ROWS")
+      << "\n  cp_async_commit();\n";
+    return o.str();
+  }
+
+  // Layer l's dz (the A fragments `d`) into this layer's dz tile, then the barrier, the next layer's input tile
+  // requested, and this layer's dW and db accumulated.
+  void layer(int l, const std::string& d) const {
+    const WgradLayerPlan& lp = plan_.layers[l];
+    const int out_p = s_.layer_out_padded(l), in_p = s_.layer_in_padded(l);
+    os_ << "    store_a_shared<" << out_p + 8 << ">(" << dz_tile("par") << ", " << d << ", trow, row, p.batch, q);\n"
+        << "    cp_async_wait_all();\n"
+        << "    __syncthreads();  // this layer's tiles complete; the other buffers' readers done\n";
+    if (l > 0) {
+      os_ << "    " << input_tile_copy(l - 1, h_tile("par ^ 1u"), "blk * ROWS") << "\n";
+    } else {
+      os_ << "    if (blk + gridDim.x < p.num_blocks) "
+          << input_tile_copy(s_.num_layers() - 1, h_tile("par ^ 1u"), "(blk + gridDim.x) * ROWS") << "\n";
+    }
+    os_ << "    cp_async_commit();\n"
+        << "    wgrad_accumulate<" << lp.out_tiles_per_warp << ", " << lp.in_pairs_per_warp << ", " << lp.warps_out
+        << ", " << lp.warps_in << ", " << lp.out_tiles << ", " << lp.in_pairs << ", " << plan_.k_steps << ", "
+        << out_p + 8 << ", " << in_p + 8 << ", " << (lp.bias ? "true" : "false") << ">(wg" << l << ", wb" << l
+        << ", " << dz_tile("par") << ", " << h_tile("par") << ", warp, lane);\n"
+        << "    par ^= 1u;\n";
+  }
+
+  // Layer l's activation output h_l for its derivative: the input tile of layer l + 1 (requested one layer ahead;
+  // the barrier of layer l + 1 made it complete, and it is not overwritten before the barrier of layer l).
+  std::string stored_output(int l, const std::string& dst) const {
+    return cat("load_c_shared<", s_.layer_out_padded(l) + 8, ">(", dst, ", ", h_tile("par ^ 1u"), ", trow, q);");
+  }
+
+  // After the row-block loop: every CTA writes its partial gradient vector.
+  void after_loop() const {
+    os_ << "  // the CTA's partial gradients: weights straight from the registers, biases through shared memory\n"
+        << "  cp_async_wait_all();\n"
+        << "  __syncthreads();  // tiles and weights dead: the bias scratch reuses shared memory\n"
+        << "  float* partial = p.partials + (i64)blockIdx.x * " << plan_.partial_stride_floats << ";\n"
+        << "  float* scratch = reinterpret_cast<float*>(kfuse_smem);\n";
+    for (int l = 0; l < s_.num_layers(); ++l) {
+      const WgradLayerPlan& lp = plan_.layers[l];
+      os_ << "  store_wgrad_partial<" << lp.out_tiles_per_warp << ", " << lp.in_pairs_per_warp << ", " << lp.warps_out
+          << ", " << lp.warps_in << ", " << s_.layer_out(l) << ", " << s_.layer_in(l) << ">(wg" << l << ", partial + "
+          << plan_.grad_weight_offset[l] << ", warp, lane);\n";
+      if (lp.bias)
+        os_ << "  store_bias_partial<" << lp.out_tiles_per_warp << ", " << lp.warps_out << ", " << lp.warps_in << ", "
+            << lp.out_tiles << ", " << s_.layer_out_padded(l) << ">(wb" << l << ", scratch + "
+            << plan_.bias_scratch_offset[l] << ", warp, lane);\n";
+    }
+    os_ << "  __syncthreads();\n";
+    for (int l = 0; l < s_.num_layers(); ++l)
+      if (plan_.layers[l].bias)
+        os_ << "  sum_bias_partials<" << s_.layer_out(l) << ", " << s_.layer_out_padded(l) << ", "
+            << plan_.layers[l].warps_in << ", THREADS>(scratch + " << plan_.bias_scratch_offset[l] << ", partial + "
+            << plan_.grad_bias_offset[l] << ");\n";
+  }
+
+ private:
+  std::string dz_tile(const std::string& parity) const {
+    return cat("dz_tiles + (", parity, ") * ", plan_.dz_tile_bytes, "u");
+  }
+  std::string h_tile(const std::string& parity) const {
+    return cat("h_tiles + (", parity, ") * ", plan_.h_tile_bytes, "u");
+  }
+  // Layer l's input (x, or the stashed output of layer l - 1) for the rows from `row0` into the tile at `dst`.
+  std::string input_tile_copy(int l, const std::string& dst, const std::string& row0) const {
+    const int in_p = s_.layer_in_padded(l);
+    if (l == 0)
+      return cat("copy_rows_zero_fill<ROWS, ", s_.input_width, ", ", in_p, ", ", in_p + 8, ", THREADS>(", dst,
+                 ", p.x, ", row0, ", p.batch);");
+    return cat("copy_rows_zero_fill<ROWS, ", in_p, ", ", in_p, ", ", in_p + 8, ", THREADS>(", dst, ", p.stash + ",
+               m_.stash_h_offset[l - 1], " * p.batch, ", row0, ", p.batch);");
+  }
+
+  std::ostringstream& os_;
+  const MlpSpec& s_;
+  const MlpLayout& m_;
+  const WgradPlan& plan_;
+};
+
 void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m, bool dx) {
   const int L = s.num_layers();
   std::vector<Gemm> gemms;  // layer l's transpose: k = out_padded(l), n = in_padded(l)
   for (int l = L - 1; l >= (dx ? 0 : 1); --l)
     gemms.push_back({s.layer_out_padded(l), s.layer_in_padded(l), m.bwd_weight_offset[l]});
   KernelWriter w(os, v, gemms, m.bwd_region_halves * 2);
+  const WgradPlan plan = v.fused_wgrad ? mlp_wgrad_plan(s, v) : WgradPlan{};
+  const WgradWriter wg(os, s, m, plan);
   const std::string name = dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward";
   os << "extern \"C\" __global__ void __launch_bounds__(THREADS) " << name << "(BwdParams p) {\n";
-  w.prologue();
+  w.prologue(v.fused_wgrad ? wg.before_loop() : "");
   const int out_nt = s.layer_out_padded(L - 1) / 8;
   os << "    float g" << L - 1 << "[MT][" << out_nt << "][4];\n"
      << "    load_c<" << s.output_width << ", " << s.output_width << ">(g" << L - 1 << ", p.dy, row, p.batch, q);\n";
   size_t gemm_index = 0;
   for (int l = L - 1; l >= 0; --l) {
     const int n = s.layer_out_padded(l), k = s.layer_in_padded(l);
-    const std::string g = cat("g", l), nt = cat(n / 8);
+    const std::string g = cat("g", l), nt = cat(n / 8), d = cat("d", l);
     const Activation& act = s.layer_activation(l);
     os << "    // layer " << l << " (" << s.layer_in(l) << " -> " << s.layer_out(l) << ", " << act.name
        << "): dz = dL/dh * f'\n";
@@ -213,6 +323,8 @@ void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& 
         os << "    {\n      float t[MT][" << nt << "][4];\n";
         if (l == L - 1)
           os << "      load_c<" << s.output_width << ", " << s.output_width << ">(t, p.y, row, p.batch, q);\n";
+        else if (v.fused_wgrad)
+          os << "      " << wg.stored_output(l, "t") << "\n";
         else
           os << "      load_c<" << n << ", " << n << ">(t, p.stash + " << m.stash_h_offset[l]
              << " * p.batch, row, p.batch, q);\n";
@@ -223,17 +335,49 @@ void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& 
       // The padding columns of a narrow output layer must stay exactly zero whatever f'(0) is.
       if (l == L - 1 && s.output_width % 16 != 0) os << "    mask_columns<" << s.output_width << ">(" << g << ", q);\n";
     }
-    os << "    store_c<" << n << ", " << n << ">(" << g << ", p.dz + " << m.dz_offset[l] << " * p.batch, row, p.batch, q);\n";
-    if (l == 0 && !dx) break;
+    const bool chain_goes_on = l > 0 || dx;
+    if (v.fused_wgrad) {
+      os << "    u32 " << d << "[MT][" << n / 16 << "][4];\n    to_a(" << g << ", " << d << ");\n";
+      wg.layer(l, d);
+    } else {
+      os << "    store_c<" << n << ", " << n << ">(" << g << ", p.dz + " << m.dz_offset[l]
+         << " * p.batch, row, p.batch, q);\n";
+      if (chain_goes_on) os << "    u32 " << d << "[MT][" << n / 16 << "][4];\n    to_a(" << g << ", " << d << ");\n";
+    }
+    if (!chain_goes_on) break;
     const std::string next = l > 0 ? cat("g", l - 1) : std::string("gx");
-    os << "    u32 d" << l << "[MT][" << n / 16 << "][4];\n    to_a(" << g << ", d" << l << ");\n"
-       << "    float " << next << "[MT][" << k / 8 << "][4];\n    zero_acc(" << next << ");\n";
-    w.gemm(gemm_index++, next, cat("const RegA<MT, ", n / 16, "> src{d", l, "};"));
+    os << "    float " << next << "[MT][" << k / 8 << "][4];\n    zero_acc(" << next << ");\n";
+    w.gemm(gemm_index++, next, cat("const RegA<MT, ", n / 16, "> src{", d, "};"));
     if (l == 0)
       os << "    store_c<" << s.input_width << ", " << s.input_width << ">(gx, p.dx, row, p.batch, q);\n";
   }
   w.epilogue();
+  if (v.fused_wgrad) wg.after_loop();
   os << "}\n\n";
+}
+
+// Sums the CTAs' partial gradient vectors (fused_wgrad) in CTA order. A CTA of 256 threads owns 32 consecutive
+// gradient entries; its 8 warps read every 8th partial (coalesced 128-byte rows) and add their sums in warp order.
+void write_wgrad_reduce(std::ostringstream& os, const WgradPlan& plan) {
+  os << "struct ReduceParams { const float* partials; float* grads; int slices; };\n"
+     << "extern \"C\" __global__ void __launch_bounds__(256) kfuse_mlp_wgrad_reduce(ReduceParams p) {\n"
+     << "  __shared__ float sums[8][33];\n"
+     << "  const int c = threadIdx.x & 31, w = threadIdx.x >> 5;\n"
+     << "  const i64 i = (i64)blockIdx.x * 32 + c;\n"
+     << "  float s = 0.0f;\n"
+     << "  if (i < " << plan.grad_floats << ")\n"
+     << "#pragma unroll 4\n"
+     << "    for (int k = w; k < p.slices; k += 8) s += p.partials[(i64)k * " << plan.partial_stride_floats
+     << " + i];\n"
+     << "  sums[w][c] = s;\n"
+     << "  __syncthreads();\n"
+     << "  if (w == 0 && i < " << plan.grad_floats << ") {\n"
+     << "    float t = 0.0f;\n"
+     << "#pragma unroll\n"
+     << "    for (int k = 0; k < 8; ++k) t += sums[k][c];\n"
+     << "    p.grads[i] = t;\n"
+     << "  }\n"
+     << "}\n\n";
 }
 
 }  // namespace
@@ -244,6 +388,14 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
   KFUSE_CHECK(variant.warps >= 1 && variant.warps <= 16, InvalidArgument, "warps must be in [1, 16]");
   KFUSE_CHECK(variant.k_chunk >= 16 && variant.k_chunk % 16 == 0, InvalidArgument,
               "k_chunk must be a positive multiple of 16");
+  if (variant.fused_wgrad) {
+    KFUSE_CHECK(variant.weights_resident, InvalidArgument, "variant ", variant.name(),
+                ": fused weight gradients need resident weights");
+    const int regs = mlp_wgrad_plan(spec, variant).accumulator_floats;
+    KFUSE_CHECK(regs <= kMaxWgradAccumulatorFloats, InvalidArgument, "variant ", variant.name(), ": fused weight ",
+                "gradients of ", spec.to_string(), " need ", regs, " accumulators per thread, more than the ",
+                kMaxWgradAccumulatorFloats, " that fit; use fused_wgrad = false or more warps");
+  }
   const MlpLayout m = mlp_layout(spec);
   std::ostringstream os;
   const bool fwd = part != MlpModulePart::kBackward, bwd = part != MlpModulePart::kForward;
@@ -264,9 +416,10 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
   }
   if (bwd) {
     os << "struct BwdParams { const u16* dy; const u16* y; const u16* stash; const u16* w; u16* dz; u16* dx; "
-          "i64 batch; i64 num_blocks; };\n\n";
+          "const u16* x; float* partials; i64 batch; i64 num_blocks; };\n\n";
     write_backward(os, spec, variant, m, false);
     write_backward(os, spec, variant, m, true);
+    if (variant.fused_wgrad) write_wgrad_reduce(os, mlp_wgrad_plan(spec, variant));
   }
   return os.str();
 }

@@ -1,8 +1,10 @@
 // MlpSpec: validation and the derived sizes (padded widths, parameter counts); MlpVariant: names, shared memory
-// needs and the candidate set the autotuner chooses from.
+// needs, where fused weight gradients fit, the heuristic default and the candidate set the autotuner chooses from.
 #include <algorithm>
 #include <sstream>
+#include <utility>
 
+#include "codegen/mlp_wgrad_plan.h"
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
 
@@ -66,7 +68,8 @@ std::string MlpSpec::to_string() const {
 
 std::string MlpVariant::name() const {
   std::ostringstream os;
-  os << "mt" << m_tiles << "_w" << warps << (weights_resident ? "_resident" : "_stream" + std::to_string(k_chunk));
+  os << "mt" << m_tiles << "_w" << warps << (weights_resident ? "_resident" : "_stream" + std::to_string(k_chunk))
+     << (fused_wgrad ? "_fw" : "");
   return os.str();
 }
 
@@ -83,6 +86,7 @@ size_t mlp_forward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
 }
 
 size_t mlp_backward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
+  if (v.fused_wgrad) return static_cast<size_t>(codegen::mlp_wgrad_plan(s, v).smem_bytes);
   // Transposed weights: layer l as (in_padded rows) x (out_padded columns).
   size_t total = 0, chunk = 0;
   for (int l = 0; l < s.num_layers(); ++l) {
@@ -113,7 +117,29 @@ MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin) {
   v.weights_resident = fits(spec, v, smem_optin);
   v.k_chunk = 64;
   if (!v.weights_resident && !fits(spec, v, smem_optin)) v.k_chunk = 32;
+  // Fused weight gradients wherever they fit: with the CTA as it is, else with 8 warps to share the accumulators
+  // (the same rows per warp: the forward's per-warp code stays the same), else also with one 16-row tile per warp.
+  for (const auto& [m_tiles, warps] : {std::pair{v.m_tiles, v.warps}, {v.m_tiles, 8}, {1, 8}}) {
+    MlpVariant f = v;
+    f.m_tiles = m_tiles;
+    f.warps = warps;
+    if (mlp_fused_wgrad_fits(spec, f, smem_optin)) {
+      f.fused_wgrad = true;
+      return f;
+    }
+  }
   return v;
+}
+
+bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_optin) {
+  if (!v.weights_resident) return false;
+  // The chain's registers beside the accumulators: with two 16-row tiles per warp, ptxas needs 240 registers at
+  // width 48 (ReLU) and spills at 64; one tile leaves room (about 210 at width 64).
+  if (v.m_tiles == 2 && max_width(spec) > 32) return false;
+  MlpVariant f = v;
+  f.fused_wgrad = true;
+  return codegen::mlp_wgrad_plan(spec, f).accumulator_floats <= codegen::kMaxWgradAccumulatorFloats &&
+         fits(spec, f, smem_optin);
 }
 
 std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin) {
@@ -124,7 +150,11 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
         MlpVariant v{mt, warps, kc == 0, kc == 0 ? 64 : kc};
         if (mt == 2 && max_width(spec) > 128) continue;  // would spill registers
         if (!fits(spec, v, smem_optin)) continue;
-        if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+        for (bool fused : {false, true}) {
+          v.fused_wgrad = fused;
+          if (fused && !mlp_fused_wgrad_fits(spec, v, smem_optin)) continue;
+          if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+        }
       }
   return out;
 }

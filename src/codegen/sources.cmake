@@ -6,6 +6,7 @@ list(APPEND KFUSE_CORE_SOURCES
   codegen/activation_validation.cpp
   codegen/mlp_spec.cpp
   codegen/mlp_layout.cpp
+  codegen/mlp_wgrad_plan.cpp
   codegen/mlp_device_library.cpp
   codegen/mlp_source_writer.cpp
   codegen/kernel_cache.cpp)
@@ -14,7 +15,8 @@ if(KFUSE_WITH_CUDA)
   list(APPEND KFUSE_CORE_SOURCES
     codegen/nvrtc_compiler.cpp
     codegen/driver_api.cpp
-    runtime/mlp_gpu.cpp)
+    runtime/mlp_gpu.cpp
+    runtime/mlp_tuning.cpp)
   # NVRTC and cuBLAS are host libraries that load without a driver; the weight gradients are cuBLAS GEMMs.
   set(KFUSE_CODEGEN_LIBS CUDA::nvrtc CUDA::cublas)
 endif()

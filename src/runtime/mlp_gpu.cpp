@@ -1,6 +1,8 @@
 // FusedMlp: one spec's generated kernels on one device, and the calls that run them. The kernels come from, in
-// order: this process's module registry (same source and device: shared), the disk cache, NVRTC. Weight gradients
-// are cuBLAS GEMMs over the activation gradients the backward kernel writes (dW_l = dz_l^T h_l, db_l = dz_l^T 1).
+// order: this process's module registry (same source and device: shared), the disk cache, NVRTC. Weight gradients:
+// with a fused_wgrad variant the backward kernel accumulates them per CTA and a reduction kernel sums the CTAs'
+// partials (codegen/mlp_wgrad_plan.h); otherwise cuBLAS GEMMs over the activation gradients the backward kernel
+// writes (dW_l = dz_l^T h_{l-1}, db_l = dz_l^T 1).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -15,6 +17,7 @@
 #include "codegen/kernel_cache.h"
 #include "codegen/mlp_codegen.h"
 #include "codegen/mlp_layout.h"
+#include "codegen/mlp_wgrad_plan.h"
 #include "codegen/nvrtc_compiler.h"
 #include "kfuse/device.h"
 #include "kfuse/error.h"
@@ -75,7 +78,14 @@ struct BwdParams {
   const void* w;
   void* dz;
   void* dx;
+  const void* x;
+  float* partials;
   long long batch, num_blocks;
+};
+struct ReduceParams {
+  const float* partials;
+  float* grads;
+  int slices;
 };
 
 // A compiled module: the binary from the disk cache or NVRTC. Thread-safe (runs off the caller's thread for the
@@ -168,7 +178,11 @@ struct FusedMlp::Impl {
   DeviceInfo dev;
   size_t smem_optin = 0;
   codegen::MlpLayout layout;
+  codegen::WgradPlan wgrad;  // fused_wgrad only
   size_t forward_smem = 0, backward_smem = 0;
+  // An upper bound of the backward kernel's CTAs per SM from threads and shared memory alone (registers can only
+  // lower it): sizes the fused_wgrad workspace before the backward module is loaded.
+  int backward_ctas_per_sm_bound = 1;
   std::shared_ptr<LoadedKernels> forward_kernels;
   MlpBuildInfo info;
 
@@ -183,21 +197,32 @@ struct FusedMlp::Impl {
     // Caller holds backward_mutex and a DeviceGuard.
     if (!backward_kernels) {
       ModuleBinary b = backward_binary.get();  // rethrows a compile error
-      backward_kernels = load_module(b, {"kfuse_mlp_backward", "kfuse_mlp_backward_dx"}, {}, variant.warps * 32,
+      std::vector<std::string> others;
+      if (variant.fused_wgrad) others.push_back("kfuse_mlp_wgrad_reduce");
+      backward_kernels = load_module(b, {"kfuse_mlp_backward", "kfuse_mlp_backward_dx"}, others, variant.warps * 32,
                                      backward_smem, variant.name());
+      KFUSE_CHECK(!variant.fused_wgrad || backward_kernels->ctas_per_sm <= backward_ctas_per_sm_bound, Error,
+                  "MLP backward of variant ", variant.name(), ": ", backward_kernels->ctas_per_sm,
+                  " CTAs per SM, more than the bound ", backward_ctas_per_sm_bound, " its workspace was sized for");
     }
     return *backward_kernels;
   }
 
-  void launch(CUfunction f, long long blocks, int ctas_per_sm, size_t smem, void* params, Stream stream) const {
+  // Launches a row-block kernel on min(blocks, ctas_per_sm * SMs) persistent CTAs; returns the grid size.
+  long long launch(CUfunction f, long long blocks, int ctas_per_sm, size_t smem, void* params, Stream stream) const {
     const long long grid = std::min<long long>(blocks, static_cast<long long>(ctas_per_sm) * dev.sm_count);
     void* args[] = {params};
     const DriverApi& api = DriverApi::get();
     api.check(api.cuLaunchKernel(f, static_cast<unsigned>(grid), 1, 1, variant.warps * 32, 1, 1,
                                  static_cast<unsigned>(smem), reinterpret_cast<CUstream>(stream), args, nullptr),
               "cuLaunchKernel (fused MLP)");
+    return grid;
   }
   long long num_blocks(int64_t batch) const { return (batch + variant.rows_per_cta() - 1) / variant.rows_per_cta(); }
+  // The most CTAs a backward launch of `batch` rows can have: the fused_wgrad partials the workspace holds.
+  long long max_backward_grid(int64_t batch) const {
+    return std::min<long long>(num_blocks(batch), static_cast<long long>(backward_ctas_per_sm_bound) * dev.sm_count);
+  }
   void check_batch(int64_t batch) const {
     KFUSE_CHECK(batch >= 1 && batch < (int64_t(1) << 31), InvalidArgument, "MLP batch must be in [1, 2^31), got ",
                 batch);
@@ -235,6 +260,21 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
   KFUSE_CHECK(std::max(m.forward_smem, m.backward_smem) <= m.smem_optin, InvalidArgument, "MLP variant ",
               m.variant.name(), " needs ", std::max(m.forward_smem, m.backward_smem),
               " bytes of shared memory; the device allows ", m.smem_optin);
+  if (m.variant.fused_wgrad) m.wgrad = codegen::mlp_wgrad_plan(spec, m.variant);
+  {
+    int max_blocks = 0, max_threads = 0, smem_per_sm = 0, reserved = 0;
+    check_cuda(cudaDeviceGetAttribute(&max_blocks, cudaDevAttrMaxBlocksPerMultiprocessor, device),
+               "cudaDeviceGetAttribute(blocks per SM)");
+    check_cuda(cudaDeviceGetAttribute(&max_threads, cudaDevAttrMaxThreadsPerMultiProcessor, device),
+               "cudaDeviceGetAttribute(threads per SM)");
+    check_cuda(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+               "cudaDeviceGetAttribute(shared memory per SM)");
+    check_cuda(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device),
+               "cudaDeviceGetAttribute(reserved shared memory per block)");
+    const size_t per_cta = m.backward_smem + static_cast<size_t>(reserved);
+    m.backward_ctas_per_sm_bound = std::max(
+        1, std::min({max_blocks, max_threads / (m.variant.warps * 32), static_cast<int>(smem_per_sm / per_cta)}));
+  }
   ModuleBinary fwd = build_binary(codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kForward), m.dev);
   m.forward_kernels = load_module(fwd, {"kfuse_mlp_forward", "kfuse_mlp_forward_train"}, {"kfuse_mlp_pack"},
                                   m.variant.warps * 32, m.forward_smem, m.variant.name());
@@ -263,7 +303,10 @@ size_t FusedMlp::stash_bytes(int64_t batch) const {
   return static_cast<size_t>(impl_->layout.stash_elements_per_row * batch * 2);
 }
 size_t FusedMlp::backward_workspace_bytes(int64_t batch) const {
-  return static_cast<size_t>((impl_->layout.dz_elements_per_row * batch + batch) * 2);
+  const Impl& m = *impl_;
+  if (m.variant.fused_wgrad)
+    return static_cast<size_t>(m.max_backward_grid(batch) * m.wgrad.partial_stride_floats * 4);
+  return static_cast<size_t>((m.layout.dz_elements_per_row * batch + batch) * 2);
 }
 
 void FusedMlp::pack_weights(const std::vector<const void*>& weights, const std::vector<const void*>& biases,
@@ -342,9 +385,24 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
   std::lock_guard<std::mutex> lock(m.backward_mutex);
   const LoadedKernels& kernels = m.backward_module();
   const char* pk = static_cast<const char*>(packed);
-  BwdParams p{dy, y, stash, pk + lay.bwd_region_byte_offset, workspace, dx, batch, m.num_blocks(batch)};
-  m.launch(kernels.functions.at(dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward"), p.num_blocks,
-           kernels.ctas_per_sm, m.backward_smem, &p, stream);
+  const bool fused = m.variant.fused_wgrad;
+  BwdParams p{dy, y, stash, pk + lay.bwd_region_byte_offset, fused ? nullptr : workspace, dx, x,
+              fused ? static_cast<float*>(workspace) : nullptr, batch, m.num_blocks(batch)};
+  const long long grid = m.launch(kernels.functions.at(dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward"),
+                                  p.num_blocks, kernels.ctas_per_sm, m.backward_smem, &p, stream);
+  const DriverApi& api = DriverApi::get();
+
+  if (fused) {
+    // Every CTA wrote its partial gradients (the grid fits the workspace: backward_module checked ctas_per_sm);
+    // sum them in CTA order, 32 entries per reduction CTA.
+    ReduceParams r{static_cast<const float*>(workspace), grads, static_cast<int>(grid)};
+    void* args[] = {&r};
+    const long long blocks = (m.wgrad.grad_floats + 31) / 32;
+    api.check(api.cuLaunchKernel(kernels.functions.at("kfuse_mlp_wgrad_reduce"), static_cast<unsigned>(blocks), 1, 1,
+                                 256, 1, 1, 0, reinterpret_cast<CUstream>(stream), args, nullptr),
+              "cuLaunchKernel (MLP gradient reduction)");
+    return;
+  }
 
   // Weight and bias gradients: GEMMs over the batch with fp32 output (cuBLAS splits the long k itself).
   if (!m.cublas) check_cublas(cublasCreate(&m.cublas), "cublasCreate");
@@ -353,7 +411,6 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
   const uint16_t one_bits = s.dtype == MlpDType::kFloat16 ? 0x3C00 : 0x3F80;
   char* ws = static_cast<char*>(workspace);
   const char* ones = ws + lay.dz_elements_per_row * batch * 2;
-  const DriverApi& api = DriverApi::get();
   api.check(api.cuMemsetD16Async(reinterpret_cast<CUdeviceptr>(ones), one_bits, static_cast<size_t>(batch),
                                  reinterpret_cast<CUstream>(stream)),
             "cuMemsetD16Async (ones)");

@@ -1,6 +1,7 @@
-// CPU tier of the generated fused MLP: spec validation, the activation table, the generated source compiling with
-// NVRTC (PTX for compute_80 / compute_90 and CUBIN for sm_90; no GPU needed), user expressions that do not compile,
-// and the disk cache of compiled kernels.
+// CPU tier of the generated fused MLP: spec validation, the activation table, variant selection (fused weight
+// gradients where their accumulators fit) and the weight-gradient split among warps, the generated source compiling
+// with NVRTC (PTX for compute_80 / compute_90 and CUBIN for sm_90; no GPU needed), user expressions that do not
+// compile, and the disk cache of compiled kernels.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -9,11 +10,13 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "codegen/kernel_cache.h"
 #include "codegen/mlp_codegen.h"
 #include "codegen/mlp_layout.h"
+#include "codegen/mlp_wgrad_plan.h"
 #include "codegen/nvrtc_compiler.h"
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
@@ -127,7 +130,9 @@ TEST(MlpVariants, DefaultFitsAndStreamsWhenWeightsDoNot) {
   const MlpSpec small = make_spec(32, {64, 64, 64, 64}, 16);
   const MlpVariant v = mlp_default_variant(small, 227 * 1024);
   EXPECT_TRUE(v.weights_resident);
-  EXPECT_EQ(v.m_tiles, 2);
+  EXPECT_TRUE(v.fused_wgrad);
+  EXPECT_EQ(v.m_tiles, 1);  // two 16-row tiles beside the gradient accumulators would spill at width 64
+  EXPECT_EQ(mlp_default_variant(make_spec(32, {128, 128}, 16), 227 * 1024).m_tiles, 1);
   const MlpSpec big = make_spec(32, {256, 256, 256, 256}, 16);
   const MlpVariant b = mlp_default_variant(big, 227 * 1024);
   EXPECT_FALSE(b.weights_resident);  // 4 x 128 KiB of weights
@@ -136,6 +141,111 @@ TEST(MlpVariants, DefaultFitsAndStreamsWhenWeightsDoNot) {
   for (const MlpVariant& c : mlp_candidate_variants(big, 227 * 1024))
     EXPECT_LE(std::max(mlp_forward_smem_bytes(big, c), mlp_backward_smem_bytes(big, c)), 227u * 1024) << c.name();
   EXPECT_GE(mlp_candidate_variants(small, 227 * 1024).size(), 4u);
+}
+
+TEST(MlpVariants, NamesAreStable) {
+  EXPECT_EQ((MlpVariant{2, 4, true, 64}).name(), "mt2_w4_resident");
+  EXPECT_EQ((MlpVariant{1, 8, false, 32}).name(), "mt1_w8_stream32");
+  EXPECT_EQ((MlpVariant{1, 8, true, 64, true}).name(), "mt1_w8_resident_fw");
+  EXPECT_NE((MlpVariant{1, 8, true, 64, true}), (MlpVariant{1, 8, true, 64, false}));
+}
+
+TEST(MlpVariants, FusedWeightGradientsWhereTheAccumulatorsFit) {
+  const size_t optin = 227 * 1024;
+  const std::vector<std::pair<int, std::string>> expected{
+      {16, "mt2_w4_resident_fw"}, {32, "mt2_w4_resident_fw"}, {48, "mt1_w8_resident_fw"},
+      {64, "mt1_w8_resident_fw"}, {80, "mt1_w8_resident"},      {128, "mt1_w8_resident"},
+      {256, "mt1_w8_stream64"}};
+  for (const auto& [w, name] : expected) {
+    const MlpSpec s = make_spec(32, {w, w, w, w}, 16);
+    const MlpVariant v = mlp_default_variant(s, optin);
+    EXPECT_EQ(v.name(), name) << "width " << w;
+    EXPECT_EQ(v.fused_wgrad, mlp_fused_wgrad_fits(s, v, optin)) << "width " << w;
+    if (v.fused_wgrad)
+      EXPECT_LE(codegen::mlp_wgrad_plan(s, v).accumulator_floats, codegen::kMaxWgradAccumulatorFloats) << w;
+  }
+  // Accumulators for every layer: many layers of width 64 do not fit, and stay on the cuBLAS path.
+  const MlpSpec deep = make_spec(32, std::vector<int>(12, 64), 16);
+  EXPECT_FALSE(mlp_default_variant(deep, optin).fused_wgrad);
+  EXPECT_GT(codegen::mlp_wgrad_plan(deep, {1, 8, true, 64, true}).accumulator_floats,
+            codegen::kMaxWgradAccumulatorFloats);
+  const MlpSpec w64 = make_spec(32, {64, 64, 64, 64}, 16);
+  EXPECT_FALSE(mlp_fused_wgrad_fits(w64, {1, 8, false, 64}, optin)) << "streamed weights";
+  EXPECT_FALSE(mlp_fused_wgrad_fits(w64, {2, 8, true, 64}, optin)) << "two row tiles at width 64";
+  EXPECT_FALSE(mlp_fused_wgrad_fits(w64, {1, 4, true, 64}, optin)) << "4 warps: 140 accumulators";
+  EXPECT_FALSE(mlp_fused_wgrad_fits(w64, {1, 8, true, 64}, 64 * 1024)) << "shared memory";
+  // The candidates offer both backward paths where both work, each once.
+  const std::vector<MlpVariant> c = mlp_candidate_variants(w64, optin);
+  int fused = 0, plain = 0;
+  for (size_t i = 0; i < c.size(); ++i) {
+    (c[i].fused_wgrad ? fused : plain) += 1;
+    if (c[i].fused_wgrad) EXPECT_TRUE(mlp_fused_wgrad_fits(w64, c[i], optin)) << c[i].name();
+    for (size_t j = 0; j < i; ++j) EXPECT_NE(c[i], c[j]) << c[i].name();
+  }
+  EXPECT_GE(fused, 1);
+  EXPECT_GE(plain, 4);
+  EXPECT_EQ(c.front(), mlp_default_variant(w64, optin));
+  for (const MlpVariant& v : mlp_candidate_variants(make_spec(32, {128, 128, 128, 128}, 16), optin))
+    EXPECT_FALSE(v.fused_wgrad) << v.name();
+}
+
+TEST(MlpVariants, FusedWeightGradientsRejectedWhereTheyCannotWork) {
+  const MlpSpec w64 = make_spec(32, {64, 64, 64, 64}, 16);
+  EXPECT_NE(error_of([&] { codegen::generate_mlp_source(w64, {1, 8, false, 64, true}); }).find("resident weights"),
+            std::string::npos);
+  const std::string msg = error_of([&] { codegen::generate_mlp_source(w64, {1, 4, true, 64, true}); });
+  EXPECT_NE(msg.find("need 140 accumulators per thread"), std::string::npos) << msg;
+}
+
+// Every out-tile x in-pair block of every layer belongs to exactly one warp, and the accounting (registers, shared
+// memory, gradient offsets) matches the spec.
+TEST(MlpWgradPlan, EveryBlockHasOneOwnerAndSizesAddUp) {
+  MlpSpec odd = make_spec(3, {48, 16, 32}, 5);
+  odd.bias = {true, false, true, false};
+  for (const auto& [spec, variant] : std::vector<std::pair<MlpSpec, MlpVariant>>{
+           {make_spec(32, {64, 64, 64, 64}, 16), {1, 8, true, 64, true}},
+           {make_spec(32, {48, 48, 48, 48}, 16), {1, 8, true, 64, true}},
+           {make_spec(32, {16, 32, 16}, 16), {2, 4, true, 64, true}},
+           {odd, {1, 8, true, 64, true}},
+           {odd, {2, 4, true, 64, true}}}) {
+    const codegen::WgradPlan p = codegen::mlp_wgrad_plan(spec, variant);
+    ASSERT_EQ(static_cast<int>(p.layers.size()), spec.num_layers());
+    EXPECT_EQ(p.k_steps, variant.rows_per_cta() / 16);
+    int floats = 0;
+    int64_t offset = 0;
+    for (int l = 0; l < spec.num_layers(); ++l) {
+      const codegen::WgradLayerPlan& lp = p.layers[l];
+      EXPECT_EQ(lp.out_tiles, spec.layer_out_padded(l) / 16);
+      EXPECT_EQ(lp.in_pairs, spec.layer_in_padded(l) / 16);
+      EXPECT_EQ(lp.warps_out * lp.warps_in, variant.warps);
+      EXPECT_EQ(p.k_steps % lp.warps_in, 0) << "bias k-steps split evenly";
+      EXPECT_EQ(lp.bias, spec.has_bias(l));
+      std::vector<int> owners(lp.out_tiles * lp.in_pairs, 0);
+      for (int w = 0; w < variant.warps; ++w)
+        for (int i = 0; i < lp.out_tiles_per_warp; ++i)
+          for (int j = 0; j < lp.in_pairs_per_warp; ++j) {
+            const int ot = w % lp.warps_out + i * lp.warps_out, ip = w / lp.warps_out + j * lp.warps_in;
+            if (ot < lp.out_tiles && ip < lp.in_pairs) ++owners[ot * lp.in_pairs + ip];
+          }
+      for (int o : owners) EXPECT_EQ(o, 1) << spec.to_string() << " layer " << l;
+      floats += lp.accumulator_floats();
+      EXPECT_EQ(p.grad_weight_offset[l], offset);  // nn.Sequential order, true widths
+      offset += int64_t(spec.layer_out(l)) * spec.layer_in(l);
+      EXPECT_EQ(p.grad_bias_offset[l], spec.has_bias(l) ? offset : -1);
+      if (spec.has_bias(l)) offset += spec.layer_out(l);
+    }
+    EXPECT_EQ(p.accumulator_floats, floats);
+    EXPECT_EQ(p.grad_floats, spec.num_parameters());
+    EXPECT_EQ(p.partial_stride_floats % 32, 0);
+    EXPECT_GE(p.partial_stride_floats, p.grad_floats);
+    EXPECT_EQ(p.dz_tile_offset % 16, 0);
+    EXPECT_EQ(p.h_tile_offset, p.dz_tile_offset + 2 * p.dz_tile_bytes);
+    EXPECT_EQ(p.smem_bytes, static_cast<int64_t>(mlp_backward_smem_bytes(spec, variant)));
+    EXPECT_GE(p.smem_bytes, p.h_tile_offset + 2 * p.h_tile_bytes);
+  }
+  // The bench shape: 84 accumulators per thread with 8 warps (ptxas: about 210 registers, no spills).
+  EXPECT_EQ(codegen::mlp_wgrad_plan(make_spec(32, {64, 64, 64, 64}, 16), {1, 8, true, 64, true}).accumulator_floats,
+            84);
 }
 
 // ---- generated source through NVRTC ---------------------------------------------------------------------------------
@@ -163,6 +273,23 @@ std::vector<CompileCase> compile_cases() {
                       builtin_activation("identity")};
   cases.push_back({"all_activations_user_sm80", acts, {2, 4, true, 64}, "compute_80"});
   cases.push_back({"w256_streamed_sm90", make_spec(32, {256, 256}, 16), {1, 8, false, 64}, "sm_90"});
+  // Fused weight gradients: every width where the default takes them, odd input/output widths (zero-filled
+  // padding, an input width that is no multiple of 8), layers without bias, bf16, every activation.
+  for (int w : {16, 32, 48, 64}) {
+    const MlpSpec s = make_spec(32, {w, w, w, w}, 16);
+    const MlpVariant v = mlp_default_variant(s, 227 * 1024);
+    for (const char* arch : {"compute_80", "compute_90"})
+      cases.push_back({"fused_w" + std::to_string(w) + "_" + v.name() + "_" + arch, s, v, arch});
+  }
+  cases.push_back({"fused_w64_cubin_sm90", make_spec(32, {64, 64, 64, 64}, 16), {1, 8, true, 64, true}, "sm_90"});
+  MlpSpec odd = make_spec(3, {48, 16, 32}, 5, "silu", MlpDType::kBFloat16);
+  odd.bias = {true, false, true, false};
+  odd.output_activation = builtin_activation("sigmoid");
+  cases.push_back({"fused_odd_io_bf16_sm80", odd, {1, 8, true, 64, true}, "compute_80"});
+  cases.push_back({"fused_odd_io_bf16_mt2_sm90", odd, {2, 4, true, 64, true}, "compute_90"});
+  MlpSpec in24 = make_spec(24, {32, 32}, 8, "tanh");
+  cases.push_back({"fused_in24_out8_sm80", in24, {2, 4, true, 64, true}, "compute_80"});
+  cases.push_back({"fused_all_activations_user_sm90", acts, {1, 8, true, 64, true}, "compute_90"});
   return cases;
 }
 
@@ -180,6 +307,10 @@ TEST_P(MlpSourceCompiles, WithNvrtc) {
     for (const char* k : {"kfuse_mlp_pack", "kfuse_mlp_forward", "kfuse_mlp_forward_train", "kfuse_mlp_backward",
                           "kfuse_mlp_backward_dx", "mma.sync.aligned.m16n8k16", "ldmatrix"})
       EXPECT_NE(p.binary.find(k), std::string::npos) << c.label << " lacks " << k;
+    // Fused weight gradients: the reduction kernel and the transposed operand loads; otherwise neither.
+    EXPECT_EQ(p.binary.find("kfuse_mlp_wgrad_reduce") != std::string::npos, c.variant.fused_wgrad) << c.label;
+    EXPECT_EQ(p.binary.find("ldmatrix.sync.aligned.m8n8.x4.trans") != std::string::npos, c.variant.fused_wgrad)
+        << c.label;
     EXPECT_NE(p.binary.find(c.spec.dtype == MlpDType::kBFloat16 ? ".bf16.bf16" : ".f16.f16"), std::string::npos);
     if (!c.variant.weights_resident) EXPECT_NE(p.binary.find("cp.async"), std::string::npos);
     // Everything stays in registers: no local-memory arrays.

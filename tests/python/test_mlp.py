@@ -133,3 +133,10 @@ def test_user_expression_that_does_not_compile_quotes_nvrtc():
     assert "NVRTC's log" in msg and "error" in msg
     with pytest.raises(ValueError, match="undefined_fn"):
         Activation("mine", "x", "undefined_fn(y)")
+
+
+def test_tune_needs_a_cuda_device():
+    m = FusedMLP(8, 4, [16])
+    with pytest.raises(ValueError, match="CUDA device"):
+        m.tune(128)
+    assert m.variant is None and m.backward_variant is None

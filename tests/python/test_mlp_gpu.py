@@ -1,6 +1,6 @@
 """kfuse.FusedMLP, GPU tier (skipped without a CUDA device): forward and backward of the generated kernels against
-a float64 reference for the issue's widths, batches and activations; poisoned outputs; dL/dx; autograd; the kernel
-cache across engines."""
+a float64 reference for the issue's widths, batches and activations; both weight-gradient paths (fused in the
+backward kernel, and dz + cuBLAS); poisoned outputs; dL/dx; autograd; the kernel cache across engines."""
 
 import gc
 import math
@@ -106,6 +106,54 @@ def test_every_variant_agrees_with_the_reference(variant):
     engine = m.engine(torch.device("cuda", 0), torch.float16, variant)
     m._engines[(0, torch.float16, None)] = engine  # forward() uses this variant
     check_forward_backward(m, torch.randn(1000, 32, device="cuda"), torch.float16)
+
+
+# Both backward paths on the same shapes: fused weight gradients (accumulated in the backward kernel, per-CTA
+# partials summed by a reduction kernel) and the dz + cuBLAS path, with the same row tiling.
+FUSED_CASES = {
+    "w64_relu": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
+                     variant=(1, 8, True, 64), batches=[1, 127, 65539]),
+    "odd_io_silu_bf16": dict(in_w=3, hidden=[48, 16, 32], out_w=5, act="silu", dtype=torch.bfloat16,
+                             bias=[True, False, True, False], variant=(1, 8, True, 64), batches=[1000]),
+    "in24_tanh_mt2": dict(in_w=24, hidden=[32, 32], out_w=8, act="tanh", dtype=torch.float16, bias=True,
+                          variant=(2, 4, True, 64), batches=[127, 4099]),
+    "w16_sigmoid_out": dict(in_w=19, hidden=[16, 16, 16], out_w=7, act="relu", out_act="sigmoid",
+                            dtype=torch.float16, bias=True, variant=(2, 4, True, 64), batches=[65539]),
+}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_wgrad", "cublas_wgrad"])
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_both_weight_gradient_paths_agree_with_the_reference(case, fused):
+    c = FUSED_CASES[case]
+    m = make(c["in_w"], c["hidden"], c["out_w"], act=c["act"], out_act=c.get("out_act", "identity"),
+             dtype=c["dtype"], seed=4, bias=c["bias"])
+    engine = m.engine(torch.device("cuda", 0), c["dtype"], (*c["variant"], fused))
+    assert engine.build_info["variant"].endswith("_fw") == fused
+    m._engines[(0, c["dtype"], None)] = engine  # forward() and backward use this variant
+    for batch in c["batches"]:
+        m.zero_grad(set_to_none=True)
+        check_forward_backward(m, torch.randn(batch, c["in_w"], device="cuda"), c["dtype"])
+
+
+def test_fused_weight_gradients_are_deterministic():
+    m = make(32, [64] * 4, 16, seed=6)
+    engine = m.engine(torch.device("cuda", 0), torch.float16, (1, 8, True, 64, True))
+    m._engines[(0, torch.float16, None)] = engine
+    x = torch.randn(100_003, 32, device="cuda", dtype=torch.float16)
+    dy = torch.randn(100_003, 16, device="cuda", dtype=torch.float16)
+    runs = []
+    for _ in range(2):
+        m.zero_grad(set_to_none=True)
+        m(x).backward(dy)
+        runs.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_default_variant_fuses_weight_gradients_where_they_fit():
+    for width, fused in ((64, True), (128, False)):
+        m = make(32, [width] * 4, 16)
+        assert m.engine(torch.device("cuda", 0), torch.float16).build_info["variant"].endswith("_fw") == fused
 
 
 def test_outputs_poisoned_before_the_run_are_overwritten():
@@ -260,3 +308,27 @@ def test_compile_and_cache_load_times_are_reported():
     info = m.engine(torch.device("cuda", 0), torch.float16).build_info
     assert info["arch"].startswith(("sm_", "compute_"))
     assert math.isfinite(info["compile_seconds"]) and math.isfinite(info["load_seconds"])
+
+
+def test_tune_chooses_checked_variants_and_caches_them(tmp_path, monkeypatch):
+    """FusedMLP.tune times every candidate variant of the forward and of the backward, keeps the choice in the
+    tuning cache (a second call times nothing), and the chosen pair (possibly two different variants) computes
+    what the float64 reference computes."""
+    monkeypatch.setenv("KFUSE_CACHE_DIR", str(tmp_path))
+    m = make(8, [32, 48], 5, act="silu", seed=7)
+    rows = m.tune(4099)
+    assert [r["op"] for r in rows] == ["mlp_forward", "mlp_backward"]
+    for r in rows:
+        assert not r["from_cache"] and len(r["candidates"]) >= 2, r
+        assert r["tuned_ms"] <= r["default_ms"] + r["spread_ms"] + 1e-9, r
+        assert not any(c["rejected"] for c in r["candidates"]), r
+    assert len(m.variant) == 5 and len(m.backward_variant) == 5
+    assert m.variant[4] is False  # the forward ignores fused_wgrad: its candidates are listed without it
+    again = make(8, [32, 48], 5, act="silu", seed=7)
+    rows2 = again.tune(4099)
+    assert all(r["from_cache"] for r in rows2)
+    assert (again.variant, again.backward_variant) == (m.variant, m.backward_variant)
+    x = torch.randn(4099, 8, device="cuda", dtype=torch.float16)
+    check_forward_backward(m, x, torch.float16)
+    with pytest.raises(ValueError, match="mode"):
+        m.tune(4099, mode="sometimes")

@@ -1,0 +1,72 @@
+#include "codegen/mlp_wgrad_plan.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "codegen/mlp_layout.h"
+
+namespace kfuse::codegen {
+namespace {
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// The warp grid for one layer: fewest blocks per warp (the barrier waits for the busiest warp), then fewest
+// accumulators, then fewest ldmatrix per k-step (out_tiles_per_warp + in_pairs_per_warp).
+WgradLayerPlan split_layer(int out_tiles, int in_pairs, int warps, bool bias) {
+  WgradLayerPlan best;
+  bool have = false;
+  for (int wm = 1; wm <= warps; ++wm) {
+    if (warps % wm) continue;
+    WgradLayerPlan p;
+    p.out_tiles = out_tiles;
+    p.in_pairs = in_pairs;
+    p.warps_out = wm;
+    p.warps_in = warps / wm;
+    p.out_tiles_per_warp = ceil_div(out_tiles, wm);
+    p.in_pairs_per_warp = ceil_div(in_pairs, p.warps_in);
+    p.bias = bias;
+    const auto key = [](const WgradLayerPlan& x) {
+      return std::make_tuple(x.out_tiles_per_warp * x.in_pairs_per_warp, x.accumulator_floats(),
+                             x.out_tiles_per_warp + x.in_pairs_per_warp);
+    };
+    if (!have || key(p) < key(best)) best = p;
+    have = true;
+  }
+  return best;
+}
+
+int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+}  // namespace
+
+WgradPlan mlp_wgrad_plan(const MlpSpec& s, const MlpVariant& v) {
+  WgradPlan p;
+  const int L = s.num_layers();
+  const int rows = v.rows_per_cta();
+  p.k_steps = rows / 16;
+  int max_out = 0, max_in = 0;
+  int64_t grad = 0, scratch = 0;
+  for (int l = 0; l < L; ++l) {
+    const int out = s.layer_out_padded(l), in = s.layer_in_padded(l);
+    max_out = std::max(max_out, out);
+    max_in = std::max(max_in, in);
+    p.layers.push_back(split_layer(out / 16, in / 16, v.warps, s.has_bias(l)));
+    p.accumulator_floats += p.layers.back().accumulator_floats();
+    p.grad_weight_offset.push_back(grad);
+    grad += int64_t(s.layer_out(l)) * s.layer_in(l);
+    p.grad_bias_offset.push_back(s.has_bias(l) ? grad : -1);
+    if (s.has_bias(l)) grad += s.layer_out(l);
+    p.bias_scratch_offset.push_back(scratch);
+    if (s.has_bias(l)) scratch += int64_t(p.layers.back().warps_in) * out;
+  }
+  p.grad_floats = grad;
+  p.partial_stride_floats = (grad + 31) / 32 * 32;
+  p.dz_tile_offset = align16(mlp_layout(s).bwd_region_halves * 2);
+  p.dz_tile_bytes = int64_t(rows) * (max_out + 8) * 2;
+  p.h_tile_offset = p.dz_tile_offset + 2 * p.dz_tile_bytes;
+  p.h_tile_bytes = int64_t(rows) * (max_in + 8) * 2;
+  p.smem_bytes = std::max(p.h_tile_offset + 2 * p.h_tile_bytes, scratch * 4);
+  return p;
+}
+
+}  // namespace kfuse::codegen
