@@ -23,6 +23,7 @@ from torch import nn
 
 from . import _C
 from .benchmark import time_gpu
+from .encoder import format_tuning_table
 from .mlp import FusedMLP
 
 MLP_WIDTHS = (64, 128, 256)
@@ -88,8 +89,7 @@ def mlp_impls(model: nn.Sequential, x: torch.Tensor, dy: torch.Tensor, names: li
             fused = FusedMLP.from_torch(half)
             # The autotuner's variants for this batch (cached across runs; `kfuse tune` semantics).
             rows = fused.tune(x.shape[0])
-            print("[bench] kfuse variants: " + ", ".join(f"{r['op']} {r['choice']}"
-                                                         f"{' (cached)' if r['from_cache'] else ''}" for r in rows))
+            print("[bench] kfuse variants (autotuned):\n" + format_tuning_table(rows))
             f, t = pair(fused, fused)
             f(), t()
             impls["kfuse"] = (f, t)

@@ -1,5 +1,7 @@
 #include "codegen/mlp_layout.h"
 
+#include <algorithm>
+
 namespace kfuse::codegen {
 
 MlpLayout mlp_layout(const MlpSpec& spec) {
@@ -38,6 +40,16 @@ MlpLayout mlp_layout(const MlpSpec& spec) {
     m.dz_elements_per_row += n;
   }
   return m;
+}
+
+int forward_stage_ld(const MlpSpec& spec) {
+  int w = 0;
+  for (int l = 0; l < spec.num_layers(); ++l) w = std::max(w, spec.layer_out_padded(l));
+  return w + 8;
+}
+
+int64_t forward_stage_bytes_per_warp(const MlpSpec& spec, const MlpVariant& v) {
+  return int64_t(16) * v.m_tiles * forward_stage_ld(spec) * 2;
 }
 
 }  // namespace kfuse::codegen

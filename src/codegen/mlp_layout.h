@@ -33,4 +33,9 @@ struct MlpLayout {
 
 MlpLayout mlp_layout(const MlpSpec& spec);
 
+// The forward kernels' per-warp staging area for coalesced stores (store_c_staged), after the weights in shared
+// memory: 16 * m_tiles rows of stage_ld halves, stage_ld = the widest layer output (padded) + 8 (bank spread).
+int forward_stage_ld(const MlpSpec& spec);
+int64_t forward_stage_bytes_per_warp(const MlpSpec& spec, const MlpVariant& v);
+
 }  // namespace kfuse::codegen

@@ -10,6 +10,7 @@
 //     first chunk of the next row block) while the warps multiply the current one: one barrier per chunk.
 // With fused_wgrad (resident weights only) the backward kernel also accumulates the weight and bias gradients
 // (WgradWriter; the split among warps in mlp_wgrad_plan.h): one barrier per layer and row block.
+#include <cstdlib>
 #include <sstream>
 
 #include "codegen/mlp_codegen.h"
@@ -154,10 +155,22 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   for (int l = 0; l < L; ++l)
     gemms.push_back({s.layer_in_padded(l), s.layer_out_padded(l), m.fwd_weight_offset[l]});
   KernelWriter w(os, v, gemms, m.fwd_region_halves * 2);
+  // Stores go through the warp's staging area after the weights (store_c_staged).
+  const int stage_ld = forward_stage_ld(s);
+  // KFUSE_MLP_STAGED_STORES=0 writes the fragments directly instead (the A/B switch of PERF.md's measurement; the
+  // shared memory stays reserved either way).
+  const char* env = std::getenv("KFUSE_MLP_STAGED_STORES");
+  const bool stage_stores = !(env && std::string(env) == "0");
+  auto staged = [&](int width, const std::string& acc, const std::string& out) {
+    if (!stage_stores) return cat("store_c<", width, ", ", width, ">(", acc, ", ", out, ", row, p.batch, q);");
+    return cat("store_c_staged<", width, ", ", stage_ld, ">(", acc, ", ", out, ", row - (lane >> 2), p.batch, stage, lane);");
+  };
   os << "struct FwdParams { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; "
         "i64 num_blocks; };\n\n"
      << "template <bool TRAIN>\n__device__ __forceinline__ void forward_body(const FwdParams& p) {\n";
   w.prologue();
+  os << "    const u32 stage = smem + " << w.smem_bytes() << "u + warp * " << forward_stage_bytes_per_warp(s, v)
+     << "u;\n";
   for (int l = 0; l < L; ++l) {
     const int n = s.layer_out_padded(l), k = s.layer_in_padded(l);
     const Activation& act = s.layer_activation(l);
@@ -170,15 +183,13 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
                                    : cat("const RegA<MT, ", k / 16, "> src{a", l, "};");
     w.gemm(l, acc, src);
     if (m.stash_z_offset[l] >= 0)
-      os << "    if (TRAIN) store_c<" << n << ", " << n << ">(" << acc << ", p.stash + " << m.stash_z_offset[l]
-         << " * p.batch, row, p.batch, q);\n";
+      os << "    if (TRAIN) " << staged(n, acc, cat("p.stash + ", m.stash_z_offset[l], " * p.batch")) << "\n";
     if (!act.is_identity()) os << "    apply_act<" << act_struct(l) << ">(" << acc << ");\n";
     if (l < L - 1) {
-      os << "    if (TRAIN) store_c<" << n << ", " << n << ">(" << acc << ", p.stash + " << m.stash_h_offset[l]
-         << " * p.batch, row, p.batch, q);\n"
+      os << "    if (TRAIN) " << staged(n, acc, cat("p.stash + ", m.stash_h_offset[l], " * p.batch")) << "\n"
          << "    u32 a" << l + 1 << "[MT][" << n / 16 << "][4];\n"
          << "    to_a(" << acc << ", a" << l + 1 << ");\n";
-    } else {
+    } else {  // y directly: narrow rows (16 columns in the bench) gained nothing from staging and lost 8% (PERF.md)
       os << "    store_c<" << s.output_width << ", " << s.output_width << ">(" << acc << ", p.y, row, p.batch, q);\n";
     }
   }

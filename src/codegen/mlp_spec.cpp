@@ -4,6 +4,7 @@
 #include <sstream>
 #include <utility>
 
+#include "codegen/mlp_layout.h"
 #include "codegen/mlp_wgrad_plan.h"
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
@@ -82,7 +83,9 @@ size_t mlp_forward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
     total += n * (k + 8) * 2;
     chunk = std::max(chunk, n * (std::min<size_t>(v.k_chunk, k) + 8) * 2);
   }
-  return v.weights_resident ? total : 2 * chunk;
+  // The weights (or the two streaming buffers), then every warp's store staging area.
+  return (v.weights_resident ? total : 2 * chunk) +
+         size_t(v.warps) * size_t(codegen::forward_stage_bytes_per_warp(s, v));
 }
 
 size_t mlp_backward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {

@@ -45,7 +45,10 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(int device, bool init_context = false) : device_(device) {
     cudaGetDevice(&previous_);
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    // Always: on a thread that has made no runtime call yet (PyTorch's autograd worker runs backward()), the
+    // device number may already match while no context is current, and the driver calls below need one;
+    // cudaSetDevice makes the primary context current (CUDA 12+).
+    check_cuda(cudaSetDevice(device), "cudaSetDevice");
     if (init_context) check_cuda(cudaFree(nullptr), "cudaFree(0) (context creation)");
   }
   ~DeviceGuard() {

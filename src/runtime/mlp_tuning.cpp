@@ -73,20 +73,24 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
   TuningKey bwd_key = device_tuning_key("mlp_backward", shape, dt, bwd_names);
   fwd_key.layout = bwd_key.layout = "row_major";
 
-  // Engines and random data, built on first need (cached choices need neither).
+  // Engines and random data, built on first need (cached choices need neither). A forward candidate runs on the
+  // engine of the first variant with its tiling (fwd_engine_index); a backward candidate on its own.
   std::vector<std::unique_ptr<FusedMlp>> engines(all.size());
-  auto engine = [&](const MlpVariant& v) -> FusedMlp& {
-    for (size_t i = 0; i < all.size(); ++i) {
-      MlpVariant a = all[i];
-      if (!(a == v)) {
-        a.fused_wgrad = v.fused_wgrad;  // a forward candidate runs on the first engine of its tiling
-        if (!(a == v)) continue;
-      }
-      if (!engines[i]) engines[i] = std::make_unique<FusedMlp>(spec, device, all[i]);
-      return *engines[i];
-    }
-    throw Error("kfuse: MLP tuning candidate without an engine (internal error)");
+  auto engine_at = [&](size_t i) -> FusedMlp& {
+    if (!engines[i]) engines[i] = std::make_unique<FusedMlp>(spec, device, all[i]);
+    return *engines[i];
   };
+  std::vector<size_t> fwd_engine_index;
+  for (const MlpVariant& f : fwd) {
+    for (size_t i = 0; i < all.size(); ++i) {
+      MlpVariant tiling = all[i];
+      tiling.fused_wgrad = false;
+      if (tiling == f) {
+        fwd_engine_index.push_back(i);
+        break;
+      }
+    }
+  }
   struct Data {
     std::unique_ptr<Buffer> packed, x, y, dy, stash, grads, ws;
     std::vector<std::unique_ptr<Buffer>> layers;  // PyTorch-layout weights and biases, packed from
@@ -96,7 +100,7 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
   auto prepare = [&]() -> Data& {
     if (data) return *data;
     data = std::make_unique<Data>();
-    FusedMlp& e0 = engine(all[0]);
+    FusedMlp& e0 = engine_at(0);
     std::vector<const void*> w, b;
     for (int l = 0; l < spec.num_layers(); ++l) {
       const size_t wn = size_t(spec.layer_out(l)) * spec.layer_in(l), bn = size_t(spec.layer_out(l));
@@ -121,7 +125,7 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
     data->stash = std::make_unique<Buffer>(e0.stash_bytes(batch));
     data->grads = std::make_unique<Buffer>(4 * size_t(spec.num_parameters()));
     size_t ws = 0;
-    for (const MlpVariant& v : all) ws = std::max(ws, engine(v).backward_workspace_bytes(batch));
+    for (size_t i = 0; i < all.size(); ++i) ws = std::max(ws, engine_at(i).backward_workspace_bytes(batch));
     data->ws = std::make_unique<Buffer>(ws);
     // The stash and y every backward candidate reads: the default's training forward.
     e0.forward_train(data->packed->p, data->x->p, data->y->p, data->stash->p, batch, stream);
@@ -138,7 +142,7 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
       // A separate output, so that the forward candidates never overwrite the y the backward reads.
       auto y = std::make_shared<Buffer>(2 * size_t(batch) * spec.output_width);
       auto launch = [&, y](size_t i, cudaStream_t s) {
-        engine(fwd[i]).forward(d.packed->p, d.x->p, y->p, batch, reinterpret_cast<FusedMlp::Stream>(s));
+        engine_at(fwd_engine_index[i]).forward(d.packed->p, d.x->p, y->p, batch, reinterpret_cast<FusedMlp::Stream>(s));
       };
       const size_t elems = size_t(batch) * spec.output_width;
       auto output = [y, elems, dt](size_t) { return CandidateTimer::Output{y->p, elems, value_type(dt)}; };
@@ -156,7 +160,7 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
     auto make_timer = [&] {
       Data& d = prepare();
       auto launch = [&](size_t i, cudaStream_t s) {
-        engine(all[i]).backward(d.packed->p, d.x->p, d.y->p, d.dy->p, d.stash->p, d.ws->p,
+        engine_at(i).backward(d.packed->p, d.x->p, d.y->p, d.dy->p, d.stash->p, d.ws->p,
                                 static_cast<float*>(d.grads->p), nullptr, batch,
                                 reinterpret_cast<FusedMlp::Stream>(s));
       };

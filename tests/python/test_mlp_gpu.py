@@ -332,3 +332,26 @@ def test_tune_chooses_checked_variants_and_caches_them(tmp_path, monkeypatch):
     check_forward_backward(m, x, torch.float16)
     with pytest.raises(ValueError, match="mode"):
         m.tune(4099, mode="sometimes")
+
+
+def test_backward_on_a_fresh_thread():
+    """PyTorch runs backward on its autograd worker thread; a thread that has made no CUDA runtime call has no
+    current context, and the first backward loads the backward module with the driver API: it must make the
+    device's context current itself (this failed with 'invalid device context' when an MLP was the first thing
+    a process trained)."""
+    import threading
+    m = make(24, [48], 8, act="tanh", seed=11)  # a spec no other test uses: its backward module is not loaded yet
+    x = torch.randn(300, 24, device="cuda", dtype=torch.float16)
+    y = m(x)
+    errors = []
+
+    def run():
+        try:
+            y.float().square().sum().backward()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
