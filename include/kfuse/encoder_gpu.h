@@ -83,9 +83,10 @@ class EncoderGpu {
                 const DeviceTensorView* dx, cudaStream_t stream);
 
   // CUDA graphs (default on). Inference: one per input geometry (N, H, W, input dtype and strides, output dtype),
-  // the caller's pointers patched on replay. Training: forward_train and backward each run eagerly the first time
-  // per (geometry, caller's pointers), are captured the second time and replayed after (at most 8 graphs kept, the
-  // least recently used dropped); a stream already capturing gets the plain launches. graph_count counts both.
+  // run eagerly on its first call and captured on the second, the caller's pointers patched on replay. Training:
+  // forward_train and backward each run eagerly the first time per (geometry, caller's pointers), are captured the
+  // second time and replayed after (at most 8 graphs kept, the least recently used dropped); a stream already
+  // capturing gets the plain launches. graph_count counts both.
   void set_use_graphs(bool on);
   size_t graph_count() const;
 

@@ -100,6 +100,10 @@ struct MlpVariant {
   bool operator==(const MlpVariant&) const = default;
 };
 
+// Throws InvalidArgument naming the field when a variant cannot run `spec` (m_tiles 1 or 2, warps 1..16, k_chunk a
+// multiple of 16, fused weight gradients only with resident weights and accumulators that fit).
+void validate_variant(const MlpSpec& spec, const MlpVariant& v);
+
 // Shared memory (bytes) a variant needs for its forward and backward kernels.
 size_t mlp_forward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
 size_t mlp_backward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);

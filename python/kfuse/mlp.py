@@ -213,10 +213,11 @@ class FusedMLP(nn.Module):
                                     for i in range(n_layers))
         self._engines: dict = {}
         self._packed = None  # (key, packed tensor)
-        # The kernel variants the GPU path uses for the forward (and training forward) and for the backward: None
-        # for the heuristic default, else a tuple as engine() takes. tune() sets both.
+        # Kernel variants the GPU path uses for the forward (and training forward) and for the backward, as tuples
+        # engine() takes. None: what tune() chose for the device and compute dtype, else the heuristic default.
         self.variant: tuple | None = None
         self.backward_variant: tuple | None = None
+        self._tuned: dict = {}  # (device index, compute dtype) -> (forward variant, backward variant)
 
     # -- construction --------------------------------------------------------------------------------------------
     @classmethod
@@ -263,25 +264,34 @@ class FusedMLP(nn.Module):
                     dst.bias.copy_(src.bias)
         return mlp
 
-    def tune(self, batch: int, mode: str = "on", device: torch.device | str | None = None,
-             dtype: torch.dtype | None = None) -> list[dict]:
-        """Chooses the forward and backward kernel variants for `batch` rows with kfuse's autotuner: every candidate
-        variant compiled (or loaded from the kernel cache), timed on random data, checked against the default's
-        output; the choice is cached on disk (mode 'on': a cached choice is used as is, 'retune': time again, 'off':
-        the heuristic default). Sets `variant` and `backward_variant`; returns the tuner's report rows (print them
-        with kfuse.format_tuning_table)."""
-        p = self.layers[0].weight
-        device = torch.device(device) if device is not None else p.device
-        if device.type != "cuda":
-            raise ValueError(f"FusedMLP.tune needs a CUDA device, got {device}")
-        compute = dtype or (p.dtype if p.dtype in _GPU_DTYPES else torch.float16)
-        if compute not in _GPU_DTYPES:
-            raise ValueError(f"FusedMLP.tune: dtype must be float16 or bfloat16, got {compute}")
+    def tune(self, batch: int, mode: str = "on") -> list[dict]:
+        """Chooses the forward and backward kernel variants for `batch` rows on the parameters' device and compute
+        dtype with kfuse's autotuner: every candidate variant compiled (or loaded from the kernel cache), timed on
+        random data, checked against the default's output; the choice is cached on disk (mode 'on': a cached
+        choice is used as is, 'retune': time again, 'off': the heuristic default). variants() then returns it
+        (unless `variant` / `backward_variant` override it). Returns the tuner's report rows (print them with
+        kfuse.encoder.format_tuning_table)."""
+        device, compute = self._gpu_target()
         fwd, bwd, rows = _C.mlp_tune(self.input_width, self.hidden_widths, self.output_width,
                                      [a.as_tuple() for a in self.activations], self.output_activation.as_tuple(),
                                      self.bias_flags, _GPU_DTYPES[compute], device.index or 0, int(batch), mode)
-        self.variant, self.backward_variant = tuple(fwd), tuple(bwd)
+        self._tuned[(device.index or 0, compute)] = (tuple(fwd), tuple(bwd))
         return list(rows)
+
+    def variants(self) -> tuple[tuple | None, tuple | None]:
+        """The (forward, backward) kernel variants the GPU path runs on the parameters' device: the overrides, else
+        tune()'s choice for this device and compute dtype, else None (the heuristic default)."""
+        device, compute = self._gpu_target()
+        tuned = self._tuned.get((device.index or 0, compute), (None, None))
+        return (self.variant if self.variant is not None else tuned[0],
+                self.backward_variant if self.backward_variant is not None else tuned[1])
+
+    def _gpu_target(self) -> tuple[torch.device, torch.dtype]:
+        """The CUDA device of the parameters and the dtype the kernels compute in (as forward() runs them)."""
+        p = self.layers[0].weight
+        if p.device.type != "cuda":
+            raise ValueError(f"FusedMLP: the kernels run on a CUDA device; the parameters are on {p.device}")
+        return p.device, (p.dtype if p.dtype in _GPU_DTYPES else torch.float16)
 
     # -- GPU plumbing --------------------------------------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -346,11 +356,12 @@ class FusedMLP(nn.Module):
             return x.new_empty(*lead, self.output_width, dtype=p.dtype)
         if x2.data_ptr() % 16:
             x2 = x2.clone()
-        engine = self.engine(x.device, compute, self.variant)
+        fwd_variant, bwd_variant = self.variants()
+        engine = self.engine(x.device, compute, fwd_variant)
         params = self._params()
         packed = self._packed_weights(engine, params, compute)
         train = torch.is_grad_enabled() and (x2.requires_grad or any(q.requires_grad for q in params))
-        bwd_engine = self.engine(x.device, compute, self.backward_variant) if train else engine
+        bwd_engine = self.engine(x.device, compute, bwd_variant) if train else engine
         y = _FusedFunction.apply(engine, bwd_engine, packed, train, self.output_width, x2, *params)
         return y.to(p.dtype).reshape(*lead, self.output_width)
 

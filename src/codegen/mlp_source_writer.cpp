@@ -163,7 +163,8 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   const bool stage_stores = !(env && std::string(env) == "0");
   auto staged = [&](int width, const std::string& acc, const std::string& out) {
     if (!stage_stores) return cat("store_c<", width, ", ", width, ">(", acc, ", ", out, ", row, p.batch, q);");
-    return cat("store_c_staged<", width, ", ", stage_ld, ">(", acc, ", ", out, ", row - (lane >> 2), p.batch, stage, lane);");
+    return cat("store_c_staged<", width, ", ", stage_ld, ">(", acc, ", ", out,
+               ", row - (lane >> 2), p.batch, stage, lane);");
   };
   os << "struct FwdParams { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; "
         "i64 num_blocks; };\n\n"
@@ -395,18 +396,7 @@ void write_wgrad_reduce(std::ostringstream& os, const WgradPlan& plan) {
 
 std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, MlpModulePart part) {
   spec.validate();
-  KFUSE_CHECK(variant.m_tiles == 1 || variant.m_tiles == 2, InvalidArgument, "m_tiles must be 1 or 2");
-  KFUSE_CHECK(variant.warps >= 1 && variant.warps <= 16, InvalidArgument, "warps must be in [1, 16]");
-  KFUSE_CHECK(variant.k_chunk >= 16 && variant.k_chunk % 16 == 0, InvalidArgument,
-              "k_chunk must be a positive multiple of 16");
-  if (variant.fused_wgrad) {
-    KFUSE_CHECK(variant.weights_resident, InvalidArgument, "variant ", variant.name(),
-                ": fused weight gradients need resident weights");
-    const int regs = mlp_wgrad_plan(spec, variant).accumulator_floats;
-    KFUSE_CHECK(regs <= kMaxWgradAccumulatorFloats, InvalidArgument, "variant ", variant.name(), ": fused weight ",
-                "gradients of ", spec.to_string(), " need ", regs, " accumulators per thread, more than the ",
-                kMaxWgradAccumulatorFloats, " that fit; use fused_wgrad = false or more warps");
-  }
+  validate_variant(spec, variant);
   const MlpLayout m = mlp_layout(spec);
   std::ostringstream os;
   const bool fwd = part != MlpModulePart::kBackward, bwd = part != MlpModulePart::kForward;

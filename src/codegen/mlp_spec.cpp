@@ -67,6 +67,23 @@ std::string MlpSpec::to_string() const {
   return os.str();
 }
 
+void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
+  KFUSE_CHECK(v.m_tiles == 1 || v.m_tiles == 2, InvalidArgument, "MLP variant: m_tiles must be 1 or 2, got ",
+              v.m_tiles);
+  KFUSE_CHECK(v.warps >= 1 && v.warps <= 16, InvalidArgument, "MLP variant: warps must be in [1, 16], got ", v.warps);
+  KFUSE_CHECK(v.k_chunk >= 16 && v.k_chunk % 16 == 0, InvalidArgument,
+              "MLP variant: k_chunk must be a positive multiple of 16, got ", v.k_chunk);
+  if (v.fused_wgrad) {
+    KFUSE_CHECK(v.weights_resident, InvalidArgument, "variant ", v.name(),
+                ": fused weight gradients need resident weights");
+    const int regs = codegen::mlp_wgrad_plan(spec, v).accumulator_floats;
+    KFUSE_CHECK(regs <= codegen::kMaxWgradAccumulatorFloats, InvalidArgument, "variant ", v.name(),
+                ": fused weight gradients of ", spec.to_string(), " need ", regs,
+                " accumulators per thread, more than the ", codegen::kMaxWgradAccumulatorFloats,
+                " that fit; use fused_wgrad = false or more warps");
+  }
+}
+
 std::string MlpVariant::name() const {
   std::ostringstream os;
   os << "mt" << m_tiles << "_w" << warps << (weights_resident ? "_resident" : "_stream" + std::to_string(k_chunk))

@@ -139,7 +139,9 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
   for (ConvTile t : {ConvTile::kSm90_128x128, ConvTile::kSm90_256x64})
     if (tiles(p, t) >= 2 * int64_t(sm_count)) add({t, 1});
   if (!out.empty()) {
-    for (int algo : kernels::cudnn_conv_algorithms(kernels::CudnnConvOp::kFprop, p, dtype)) {
+    // Workspace capped (the encoder keeps two halves of the largest one): fast forward algorithms need little.
+    constexpr size_t kMaxCudnnWorkspace = size_t(256) << 20;
+    for (int algo : kernels::cudnn_conv_algorithms(kernels::CudnnConvOp::kFprop, p, dtype, 3, kMaxCudnnWorkspace)) {
       ConvConfig c;
       c.cudnn_algo = algo;
       if (fixup_conv_can_implement(c, p, dtype)) out.push_back(c);

@@ -150,6 +150,12 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
   }
   const GraphKey key{g, x.dtype, x.strides, y.dtype};
   auto it = m.graphs.find(key);
+  if (it == m.graphs.end() && m.graph_warm.insert(key).second) {
+    // First call of this kind: eager, so that lazy module loading and libraries' first-call work (cuDNN's, when the
+    // tuner chose it) happen outside a capture; captured on the next call.
+    m.launch(g, stem, tail, stream);
+    return;
+  }
   if (it == m.graphs.end()) {
     // Capture on a private stream, so that the caller's stream never sees a capture in progress.
     cudaStream_t cs;

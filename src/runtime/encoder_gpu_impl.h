@@ -189,6 +189,7 @@ struct EncoderGpu::Impl {
   bool use_graphs = true;
   std::map<Geometry, Activations> activations;
   std::map<GraphKey, Graph> graphs;
+  std::set<GraphKey> graph_warm;  // kinds of call run once eagerly (captured from their second call)
   // The training step's forward and backward, each replayed as a graph per (geometry, caller's pointers).
   LaunchGraphCache train_graphs;
   // Two equal halves: the main stream's convolutions use the first, the shortcut branch's the second (split-K
@@ -219,6 +220,7 @@ struct EncoderGpu::Impl {
       cudaGraphDestroy(g.graph);
     }
     graphs.clear();
+    graph_warm.clear();
     train_graphs.clear();
   }
 

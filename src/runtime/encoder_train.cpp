@@ -127,6 +127,9 @@ size_t param_index(const TrainingState& t, const std::string& name) {
   return it->second;
 }
 
+// The first element of a training graph's key: which launch sequence it is.
+enum : int64_t { kForwardTrainGraph = 0, kBackwardGraph = 1 };
+
 void ensure_scratch(TrainingState& t, size_t bytes) {
   if (bytes <= t.scratch_bytes) return;
   cudaFree(t.scratch);  // synchronizes with the device: nothing in flight still uses the old area
@@ -359,9 +362,10 @@ uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensor
   kernels::SqueezeExciteArgs tail;
   tail.out_nchw = y.data;
   tail.out_f32 = y.dtype == DType::F32;
-  LaunchGraphCache::Key key{0, g.n, g.h, g.w, int64_t(x.dtype), reinterpret_cast<int64_t>(x.data),
+  LaunchGraphCache::Key key{kForwardTrainGraph, g.n, g.h, g.w, int64_t(x.dtype), reinterpret_cast<int64_t>(x.data),
                             reinterpret_cast<int64_t>(y.data), int64_t(y.dtype)};
   key.insert(key.end(), x.strides.begin(), x.strides.end());
+  tb.stash = 0;  // the previous forward's saved state is being overwritten: its backward must not run on it
   m.train_graphs.run(key, stream, [&](cudaStream_t s) { m.launch(g, tb.act, stem, tail, s); }, m.use_graphs);
   tb.stash = t.next_stash++;
   tb.y_dtype = y.dtype;
@@ -577,7 +581,7 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
   if (t.scratch != scratch_before || t.d_grad_jobs != jobs_before) m.train_graphs.clear();  // addresses baked in
 
   // --- the backward, from the last block (replayed as a graph per geometry and caller's pointers) -------------
-  LaunchGraphCache::Key key{1,
+  LaunchGraphCache::Key key{kBackwardGraph,
                             g.n,
                             g.h,
                             g.w,

@@ -1,5 +1,9 @@
 #include "runtime/launch_graph_cache.h"
 
+#include <cstdio>
+#include <exception>
+#include <string>
+
 #include "kfuse/error.h"
 #include "runtime/cuda_check.h"
 
@@ -24,36 +28,58 @@ void LaunchGraphCache::run(const Key& key, cudaStream_t stream, const Launch& la
     entries_[key].last_use = ++clock_;
     return;
   }
-  Entry& e = it->second;
-  if (!e.exec) {
-    cudaStream_t cs = nullptr;
-    check_cuda(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreate (capture)");
-    cudaGraph_t graph = nullptr;
-    if (cudaError_t err = cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal); err != cudaSuccess) {
-      cudaStreamDestroy(cs);
-      check_cuda(err, "cudaStreamBeginCapture");
-    }
-    try {
-      launch(cs);
-    } catch (...) {
-      cudaStreamEndCapture(cs, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      cudaStreamDestroy(cs);
-      throw;
-    }
-    const cudaError_t end = cudaStreamEndCapture(cs, &graph);
-    cudaStreamDestroy(cs);
-    check_cuda(end, "cudaStreamEndCapture");
+  if (it->second.uncapturable) {
+    it->second.last_use = ++clock_;
+    launch(stream);
+    return;
+  }
+  if (!it->second.exec) {
     cudaGraphExec_t exec = nullptr;
-    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);  // the executable graph is self-contained
-    check_cuda(inst, "cudaGraphInstantiate");
+    if (const std::string why = capture(launch, &exec); !why.empty()) {
+      // Not retried: the same sequence would fail the same way on every call. Runs eagerly instead.
+      std::fprintf(stderr, "[kfuse] warning: a launch sequence could not be captured as a CUDA graph (%s); it runs "
+                           "without one\n", why.c_str());
+      Entry& e = entries_[key];
+      e.uncapturable = true;
+      e.last_use = ++clock_;
+      launch(stream);
+      return;
+    }
     evict_oldest(/*graphs_only=*/true, capacity_);  // only entries with a graph: not this key
     entries_[key].exec = exec;
   }
   Entry& ready = entries_[key];
   ready.last_use = ++clock_;
   check_cuda(cudaGraphLaunch(ready.exec, stream), "cudaGraphLaunch");
+}
+
+std::string LaunchGraphCache::capture(const Launch& launch, cudaGraphExec_t* exec) {
+  cudaStream_t cs = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreate (capture)");
+  cudaGraph_t graph = nullptr;
+  if (cudaError_t err = cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal); err != cudaSuccess) {
+    cudaStreamDestroy(cs);
+    return std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(err);
+  }
+  std::string why;
+  try {
+    launch(cs);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  const cudaError_t end = cudaStreamEndCapture(cs, &graph);
+  cudaStreamDestroy(cs);
+  cudaGetLastError();  // a failed capture leaves its error behind; the eager run must not see it
+  if (why.empty() && end != cudaSuccess) why = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
+  if (why.empty() && graph) {
+    if (cudaError_t inst = cudaGraphInstantiate(exec, graph, 0); inst != cudaSuccess) {
+      *exec = nullptr;
+      why = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(inst);
+    }
+  }
+  if (graph) cudaGraphDestroy(graph);  // the executable graph is self-contained
+  if (why.empty() && !*exec) why = "empty capture";
+  return why;
 }
 
 void LaunchGraphCache::evict_oldest(bool graphs_only, size_t limit) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -29,8 +30,9 @@ class LaunchGraphCache {
   LaunchGraphCache(const LaunchGraphCache&) = delete;
   LaunchGraphCache& operator=(const LaunchGraphCache&) = delete;
 
-  // Runs `launch`'s sequence on `stream` (eagerly, or as the key's graph). Throws kfuse::Error on CUDA failures;
-  // a capture that fails leaves no graph behind. `enabled` false: always eager (and nothing is remembered).
+  // Runs `launch`'s sequence on `stream` (eagerly, or as the key's graph). Throws kfuse::Error on CUDA failures of
+  // the launches. A capture that fails (something in the sequence cannot be captured) is not retried: the key runs
+  // eagerly from then on, with one warning on stderr. `enabled` false: always eager (and nothing is remembered).
   void run(const Key& key, cudaStream_t stream, const Launch& launch, bool enabled = true);
   void clear();
   size_t graph_count() const;
@@ -38,8 +40,11 @@ class LaunchGraphCache {
  private:
   struct Entry {
     cudaGraphExec_t exec = nullptr;  // null: seen once, not captured yet
+    bool uncapturable = false;       // its capture failed once: eager from then on
     uint64_t last_use = 0;
   };
+  // Captures `launch` on a private stream into `*exec`; returns why not (empty on success).
+  static std::string capture(const Launch& launch, cudaGraphExec_t* exec);
   // Drops least recently used entries (with a graph only, or any) until fewer than `limit` remain of that kind.
   void evict_oldest(bool graphs_only, size_t limit);
   std::map<Key, Entry> entries_;

@@ -257,6 +257,7 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
              "cudaDeviceGetAttribute(shared memory)");
   m.smem_optin = static_cast<size_t>(optin);
   m.variant = variant.m_tiles == 0 ? mlp_default_variant(spec, m.smem_optin) : variant;
+  validate_variant(spec, m.variant);  // before anything divides by its fields
   m.layout = codegen::mlp_layout(spec);
   m.forward_smem = mlp_forward_smem_bytes(spec, m.variant);
   m.backward_smem = mlp_backward_smem_bytes(spec, m.variant);

@@ -197,6 +197,20 @@ TEST(MlpVariants, FusedWeightGradientsRejectedWhereTheyCannotWork) {
   EXPECT_NE(msg.find("need 140 accumulators per thread"), std::string::npos) << msg;
 }
 
+// validate_variant runs before anything divides by a variant's fields (FusedMlp's constructor calls it first): a
+// zero warp count is an error naming the field, not a division by zero.
+TEST(MlpVariants, InvalidFieldsAreNamed) {
+  const MlpSpec w64 = make_spec(32, {64, 64, 64, 64}, 16);
+  EXPECT_NO_THROW(kfuse::validate_variant(w64, {2, 4, true, 64, false}));
+  EXPECT_NE(error_of([&] { kfuse::validate_variant(w64, {1, 0, true, 64, false}); }).find("warps must be in [1, 16]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { kfuse::validate_variant(w64, {1, 0, true, 64, true}); }).find("warps"), std::string::npos);
+  EXPECT_NE(error_of([&] { kfuse::validate_variant(w64, {3, 4, true, 64, false}); }).find("m_tiles"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { kfuse::validate_variant(w64, {1, 4, false, 24, false}); }).find("k_chunk"),
+            std::string::npos);
+}
+
 // Every out-tile x in-pair block of every layer belongs to exactly one warp, and the accounting (registers, shared
 // memory, gradient offsets) matches the spec.
 TEST(MlpWgradPlan, EveryBlockHasOneOwnerAndSizesAddUp) {

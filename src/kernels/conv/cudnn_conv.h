@@ -1,5 +1,6 @@
 // cuDNN as a provider of convolutions (forward, data and weight gradients), a candidate beside kfuse's CUTLASS
-// kernels in the tuner (the forward without kfuse's fused FixUp epilogue: the caller runs that as a separate pass). cuDNN's Hopper kernels (sm90 xmma, warp-specialized) are what PyTorch and torch.compile run;
+// kernels in the tuner (the forward without kfuse's fused FixUp epilogue: the caller runs that as a separate pass).
+// cuDNN's Hopper kernels (sm90 xmma, warp-specialized) are what PyTorch and torch.compile run;
 // offering them to the tuner means kfuse is never slower than them on a convolution it leaves unfused.
 //
 // cuDNN is loaded at run time (dlopen of libcudnn.so.9 and its libcudnn_cnn.so.9 sibling): libkfuse has no link-time

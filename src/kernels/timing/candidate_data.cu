@@ -81,7 +81,8 @@ unsigned grid_for(size_t elems) {
   int dev = 0, sms = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return unsigned(std::max<size_t>(1, std::min<size_t>((elems + kThreads - 1) / kThreads, size_t(std::max(sms, 1)) * 8)));
+  const size_t blocks = std::min<size_t>((elems + kThreads - 1) / kThreads, size_t(std::max(sms, 1)) * 8);
+  return unsigned(std::max<size_t>(1, blocks));
 }
 
 }  // namespace
