@@ -17,6 +17,7 @@
 #include "kfuse/error.h"
 #include "runtime/conv_selection.h"
 #include "runtime/cuda_check.h"
+#include "runtime/device_guard.h"
 #include "runtime/launch_graph_cache.h"
 #include "runtime/half_bits.h"
 
@@ -228,14 +229,7 @@ struct EncoderGpu::Impl {
   const void* wptr(size_t off) const { return w8() + off; }
   const float* fptr(size_t off) const { return reinterpret_cast<const float*>(w8() + off); }
 
-  struct Device {  // makes `device` current for a scope
-    int previous = 0;
-    explicit Device(int d) {
-      cudaGetDevice(&previous);
-      check_cuda(cudaSetDevice(d), "cudaSetDevice");
-    }
-    ~Device() { cudaSetDevice(previous); }
-  };
+  using Device = DeviceGuard;  // makes `device` current for a scope
 
   Activations& buffers(const Geometry& g) {
     auto it = activations.find(g);

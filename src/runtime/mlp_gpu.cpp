@@ -22,6 +22,8 @@
 #include "kfuse/device.h"
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
+#include "runtime/cuda_check.h"
+#include "runtime/device_guard.h"
 
 namespace kfuse {
 namespace {
@@ -31,33 +33,10 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-void check_cuda(cudaError_t e, const char* what) {
-  KFUSE_CHECK(e == cudaSuccess, Error, what, " failed: ", cudaGetErrorString(e));
-}
-
 void check_cublas(cublasStatus_t s, const char* what) {
   KFUSE_CHECK(s == CUBLAS_STATUS_SUCCESS, Error, what, " failed: cuBLAS status ", static_cast<int>(s));
 }
 
-// Makes `device` current (its primary context, as PyTorch uses) for the scope, then restores the caller's.
-// init_context: also create the primary context if the runtime has not yet (driver calls need it current).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device, bool init_context = false) : device_(device) {
-    cudaGetDevice(&previous_);
-    // Always: on a thread that has made no runtime call yet (PyTorch's autograd worker runs backward()), the
-    // device number may already match while no context is current, and the driver calls below need one;
-    // cudaSetDevice makes the primary context current (CUDA 12+).
-    check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    if (init_context) check_cuda(cudaFree(nullptr), "cudaFree(0) (context creation)");
-  }
-  ~DeviceGuard() {
-    if (previous_ != device_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0, device_ = 0;
-};
 
 // Host mirrors of the generated kernels' parameter structs (mlp_codegen.h).
 struct PackParams {

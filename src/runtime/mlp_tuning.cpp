@@ -14,6 +14,7 @@
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
 #include "runtime/cuda_check.h"
+#include "runtime/device_guard.h"
 #include "runtime/op_tuning.h"
 
 namespace kfuse {
@@ -48,13 +49,7 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
   spec.validate();
   KFUSE_CHECK(batch >= 1 && batch < (int64_t(1) << 31), InvalidArgument, "MLP tuning batch must be in [1, 2^31), got ",
               batch);
-  int previous = 0;
-  check_cuda(cudaGetDevice(&previous), "cudaGetDevice");
-  check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  struct Restore {
-    int d;
-    ~Restore() { cudaSetDevice(d); }
-  } restore{previous};
+  DeviceGuard guard(device);
   int optin = 0;
   check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
              "cudaDeviceGetAttribute(shared memory)");

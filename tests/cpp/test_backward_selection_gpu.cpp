@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "conv_backward_reference.h"
+#include "conv_reference.h"
 #include "gpu_test_support.h"
 #include "kernels/conv/cudnn_conv.h"
 #include "runtime/half_bits.h"
@@ -22,16 +22,15 @@ using kfuse::WgradChoice;
 using kfuse::kernels::Conv2dProblem;
 using kfuse::kernels::ConvDType;
 using kfuse::testing::act_elems;
+using kfuse::testing::conv3x3;
 using kfuse::testing::DeviceBuffer;
+using kfuse::testing::dtype_name;
 using kfuse::testing::filter_elems;
 using kfuse::testing::grad_elems;
 using kfuse::testing::random_nonzero_bits;
+using kfuse::testing::rel_err;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
-
-Conv2dProblem conv3x3(int n, int hw, int c, int k, int stride) {
-  return Conv2dProblem{n, hw, hw, c, k, 3, 3, 1, 1, stride, stride};
-}
 
 struct Case {
   const char* name;
@@ -48,20 +47,7 @@ const Case kCases[] = {
 };
 const ConvDType kDtypes[] = {ConvDType::kF16, ConvDType::kBF16};
 
-const char* dtype_name(ConvDType dt) { return dt == ConvDType::kF16 ? "f16" : "bf16"; }
-
 std::string skip_reason() { return kfuse::testing::device_skip_reason(8, 9, "the backward convolutions"); }
-
-double rel_err(const std::vector<double>& out, const std::vector<double>& ref, size_t* bad) {
-  double num = 0, den = 0;
-  *bad = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!std::isfinite(out[i])) ++*bad;
-    num += (out[i] - ref[i]) * (out[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / den);
-}
 
 // Normwise bounds: fp32 accumulation (~1e-5) plus, for outputs stored in T, one rounding (fp16 2^-11, bf16 2^-8).
 double wgrad_tol(const WgradChoice& c, ConvDType dt) {

@@ -8,7 +8,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include "conv_backward_reference.h"
+#include "conv_reference.h"
 #include "gpu_test_support.h"
 #include "runtime/half_bits.h"
 

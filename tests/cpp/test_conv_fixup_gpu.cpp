@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "conv_reference.h"
 #include "gpu_test_support.h"
 
 #include <cmath>
@@ -68,48 +69,9 @@ std::string device_skip_reason(const Variant& v) {
   return kfuse::testing::device_skip_reason(8, 9, "the fixup conv kernels");
 }
 
-size_t act_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w * p.c; }
-size_t flt_elems(const Conv2dProblem& p) { return size_t(p.k) * p.r * p.s * p.c; }
-size_t out_elems(const Conv2dProblem& p) { return size_t(p.n) * p.p() * p.q() * p.k; }
-
-// float64 cross-correlation with zero padding, NHWC x KRSC -> NPQK.
-std::vector<double> reference_conv(const Conv2dProblem& p, const std::vector<uint16_t>& x,
-                                   const std::vector<uint16_t>& w, ConvDType dt) {
-  const int P = p.p(), Q = p.q();
-  std::vector<double> xd(x.size()), wd(w.size());
-  for (size_t i = 0; i < x.size(); ++i) xd[i] = bits_to_float(x[i], dt);
-  for (size_t i = 0; i < w.size(); ++i) wd[i] = bits_to_float(w[i], dt);
-  std::vector<double> out(out_elems(p));
-  for (int n = 0; n < p.n; ++n)
-    for (int op = 0; op < P; ++op)
-      for (int oq = 0; oq < Q; ++oq)
-        for (int k = 0; k < p.k; ++k) {
-          double acc = 0.0;
-          for (int r = 0; r < p.r; ++r) {
-            const int ih = op * p.stride_h - p.pad_h + r;
-            if (ih < 0 || ih >= p.h) continue;
-            for (int s = 0; s < p.s; ++s) {
-              const int iw = oq * p.stride_w - p.pad_w + s;
-              if (iw < 0 || iw >= p.w) continue;
-              const double* xs = &xd[((size_t(n) * p.h + ih) * p.w + iw) * p.c];
-              const double* ws = &wd[((size_t(k) * p.r + r) * p.s + s) * p.c];
-              for (int ci = 0; ci < p.c; ++ci) acc += xs[ci] * ws[ci];
-            }
-          }
-          out[((size_t(n) * P + op) * Q + oq) * p.k + k] = acc;
-        }
-  return out;
-}
-
-// post + act(alpha * conv + pre), elementwise, in float64.
-std::vector<double> apply_fixup(std::vector<double> conv, double alpha, double pre, double post, bool relu) {
-  for (double& v : conv) {
-    double t = alpha * v + pre;
-    if (relu && t < 0.0) t = 0.0;
-    v = post + t;
-  }
-  return conv;
-}
+using kfuse::testing::act_elems;
+using kfuse::testing::filter_elems;
+using kfuse::testing::grad_elems;  // the output's size (NPQK)
 
 Conv2dProblem make_problem(int n, int h, int w, int c, int k, int r, int s, int pad, int stride) {
   Conv2dProblem p;
@@ -147,7 +109,7 @@ Comparison compare(const std::vector<uint16_t>& out, const std::vector<double>& 
 void run_fixup(const Variant& v, const Conv2dProblem& p, int split_k, const std::vector<uint16_t>& x,
                const std::vector<uint16_t>& w, const FixupEpilogue& epilogue, std::vector<uint16_t>* out) {
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  const std::vector<uint16_t> poison(out_elems(p), nan_bits(v.dtype));
+  const std::vector<uint16_t> poison(grad_elems(p), nan_bits(v.dtype));
   DeviceBuffer dx, dw, dy, ws;
   ASSERT_EQ(dx.alloc(x.size() * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(dw.alloc(w.size() * sizeof(uint16_t)), cudaSuccess);
@@ -222,7 +184,7 @@ TEST_P(ConvFixupGpuTest, MatchesFloat64Reference) {
 
   std::mt19937 rng(seed);
   const std::vector<uint16_t> x = random_nonzero_bits(act_elems(p), v.dtype, rng);
-  const std::vector<uint16_t> w = random_nonzero_bits(flt_elems(p), v.dtype, rng);
+  const std::vector<uint16_t> w = random_nonzero_bits(filter_elems(p), v.dtype, rng);
   // conv outputs have a spread of ~8 to ~22 here: pre in [-4, 4] moves the relu threshold without clipping all.
   const float scalars[3] = {std::uniform_real_distribution<float>(0.25f, 1.5f)(rng),
                             std::uniform_real_distribution<float>(-4.0f, 4.0f)(rng),
@@ -241,7 +203,7 @@ TEST_P(ConvFixupGpuTest, MatchesFloat64Reference) {
   ASSERT_NO_FATAL_FAILURE(run_fixup(v, p, tc.split_k, x, w, epilogue, &out));
 
   const std::vector<double> ref =
-      apply_fixup(reference_conv(p, x, w, v.dtype), scalars[0], scalars[1], scalars[2], relu);
+      kfuse::testing::reference_fprop_fixup(p, x, w, v.dtype, scalars[0], scalars[1], scalars[2], relu);
   const Comparison c = compare(out, ref, v.dtype);
   EXPECT_EQ(c.nan_count, 0u) << "output elements left unwritten (NaN poison) or NaN, of " << out.size();
   ASSERT_GT(c.ref_norm2, 0.0);
@@ -287,13 +249,13 @@ TEST_P(ConvFixupVariantTest, NullScalarsMeanIdentity) {
 
       std::mt19937 rng(seed);
       const std::vector<uint16_t> x = random_nonzero_bits(act_elems(p), v.dtype, rng);
-      const std::vector<uint16_t> w = random_nonzero_bits(flt_elems(p), v.dtype, rng);
+      const std::vector<uint16_t> w = random_nonzero_bits(filter_elems(p), v.dtype, rng);
       FixupEpilogue epilogue;  // all three pointers nullptr
       epilogue.relu = relu;
 
       std::vector<uint16_t> out;
       ASSERT_NO_FATAL_FAILURE(run_fixup(v, p, split_k, x, w, epilogue, &out));
-      const std::vector<double> ref = apply_fixup(reference_conv(p, x, w, v.dtype), 1.0, 0.0, 0.0, relu);
+      const std::vector<double> ref = kfuse::testing::reference_fprop_fixup(p, x, w, v.dtype, 1.0, 0.0, 0.0, relu);
       const Comparison c = compare(out, ref, v.dtype);
       EXPECT_EQ(c.nan_count, 0u) << "output elements left unwritten (NaN poison) or NaN, of " << out.size();
       ASSERT_GT(c.ref_norm2, 0.0);
@@ -320,8 +282,8 @@ TEST_P(ConvFixupVariantTest, LauncherReturnsErrorWithoutLaunching) {
 
   std::mt19937 rng(seed_for(std::string(v.name) + "/reject"));
   const std::vector<uint16_t> x = random_nonzero_bits(act_elems(good), v.dtype, rng);  // covers both problems' inputs
-  const std::vector<uint16_t> w = random_nonzero_bits(flt_elems(good), v.dtype, rng);
-  const std::vector<uint16_t> poison(out_elems(good), nan_bits(v.dtype));
+  const std::vector<uint16_t> w = random_nonzero_bits(filter_elems(good), v.dtype, rng);
+  const std::vector<uint16_t> poison(grad_elems(good), nan_bits(v.dtype));
   DeviceBuffer dx, dw, dy;
   ASSERT_EQ(dx.alloc(x.size() * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(dw.alloc(w.size() * sizeof(uint16_t)), cudaSuccess);
@@ -441,8 +403,8 @@ TEST(ConvFixupSm90, LaunchOnOtherDeviceReturnsInvalidDevice) {
   const Conv2dProblem p = make_problem(1, 8, 8, 64, 64, 3, 3, 1, 1);
   DeviceBuffer dx, dw, dy;
   ASSERT_EQ(dx.alloc(act_elems(p) * sizeof(uint16_t)), cudaSuccess);
-  ASSERT_EQ(dw.alloc(flt_elems(p) * sizeof(uint16_t)), cudaSuccess);
-  ASSERT_EQ(dy.alloc(out_elems(p) * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(dw.alloc(filter_elems(p) * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(dy.alloc(grad_elems(p) * sizeof(uint16_t)), cudaSuccess);
   for (const Variant& v : kSm90Variants) {
     SCOPED_TRACE(v.name);
     EXPECT_EQ(kfuse::kernels::conv2d_fprop_fixup(p, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, FixupEpilogue{}, 1,

@@ -11,7 +11,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include "conv_backward_reference.h"
+#include "conv_reference.h"
 #include "gpu_test_support.h"
 
 #include <cmath>
@@ -52,6 +52,7 @@ const WgradVariant kWgradVariants[] = {
 std::string wgrad_skip_reason() { return kfuse::testing::device_skip_reason(8, 9, "the wgrad conv kernels"); }
 
 using kfuse::testing::act_elems;
+using kfuse::testing::conv3x3;
 using kfuse::testing::filter_elems;
 using kfuse::testing::grad_elems;
 using kfuse::testing::reference_wgrad;
@@ -65,10 +66,6 @@ Conv2dProblem wgrad_problem(int n, int h, int w, int c, int k, int r, int s, int
 }
 
 // The encoder's convolutions are all 3x3 with padding 1.
-Conv2dProblem conv3x3(int n, int hw, int c, int k, int stride) {
-  return wgrad_problem(n, hw, hw, c, k, 3, 3, 1, stride);
-}
-
 // Normwise relative error ||out - ref|| / ||ref|| and NaN count of a device output against its reference.
 struct WgradComparison {
   size_t nan_count = 0;

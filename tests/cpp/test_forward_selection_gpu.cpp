@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "conv_backward_reference.h"
+#include "conv_reference.h"
 #include "gpu_test_support.h"
 #include "kernels/conv/cudnn_conv.h"
 #include "kernels/conv/fixup_epilogue_pass.h"
@@ -25,16 +25,15 @@ using kfuse::kernels::Conv2dProblem;
 using kfuse::kernels::ConvDType;
 using kfuse::kernels::FixupEpilogue;
 using kfuse::testing::act_elems;
+using kfuse::testing::conv3x3;
 using kfuse::testing::DeviceBuffer;
+using kfuse::testing::dtype_name;
 using kfuse::testing::filter_elems;
 using kfuse::testing::grad_elems;
 using kfuse::testing::random_nonzero_bits;
+using kfuse::testing::rel_err;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
-
-Conv2dProblem conv3x3(int n, int hw, int c, int k, int stride) {
-  return Conv2dProblem{n, hw, hw, c, k, 3, 3, 1, 1, stride, stride};
-}
 
 struct Case {
   const char* name;
@@ -50,18 +49,6 @@ const Case kCases[] = {
     {"n2_2x2_c512_k512_s1", conv3x3(2, 2, 512, 512, 1)},
 };
 const ConvDType kDtypes[] = {ConvDType::kF16, ConvDType::kBF16};
-const char* dtype_name(ConvDType dt) { return dt == ConvDType::kF16 ? "f16" : "bf16"; }
-
-double rel_err(const std::vector<double>& out, const std::vector<double>& ref, size_t* bad) {
-  double num = 0, den = 0;
-  *bad = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!std::isfinite(out[i])) ++*bad;
-    num += (out[i] - ref[i]) * (out[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / den);
-}
 
 // One rounding of the output to T (fp16 2^-11, bf16 2^-8) plus, for the cuDNN configurations, one more rounding of
 // the convolution before the epilogue pass.

@@ -2,6 +2,7 @@
 // KRSC filters, NPQK outputs and output gradients), shared by the GPU tests of the candidates the tuner may choose.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -13,6 +14,25 @@ namespace kfuse::testing {
 
 using kernels::Conv2dProblem;
 using kernels::ConvDType;
+
+// A 3x3 convolution with padding 1, the encoder's kind.
+inline Conv2dProblem conv3x3(int n, int hw, int c, int k, int stride) {
+  return Conv2dProblem{n, hw, hw, c, k, 3, 3, 1, 1, stride, stride};
+}
+inline const char* dtype_name(ConvDType dt) { return dt == ConvDType::kF16 ? "f16" : "bf16"; }
+
+// Normwise relative error ||out - ref|| / ||ref||; `bad` receives the number of non-finite outputs (NaN poison left
+// unwritten included).
+inline double rel_err(const std::vector<double>& out, const std::vector<double>& ref, size_t* bad) {
+  double num = 0, den = 0;
+  *bad = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i])) ++*bad;
+    num += (out[i] - ref[i]) * (out[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / den);
+}
 
 inline size_t act_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w * p.c; }
 inline size_t grad_elems(const Conv2dProblem& p) { return size_t(p.n) * p.p() * p.q() * p.k; }
