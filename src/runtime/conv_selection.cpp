@@ -61,10 +61,12 @@ int64_t tiles(const Conv2dProblem& p, ConvTile t) {
 std::string ConvConfig::name() const {
   if (is_cudnn()) return "cudnn_a" + std::to_string(cudnn_algo);
   const std::string base = tile_info(tile).name;
-  return is_sm90_tile(tile) ? base : base + "_k" + std::to_string(split_k);
+  if (is_sm90_tile(tile)) return base;
+  return base + (parallel ? "_p" : "_k") + std::to_string(split_k);
 }
 
 bool fixup_conv_can_implement(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype) {
+  if (c.parallel) return kernels::conv2d_fprop_fixup_parallel_can_implement(p, dtype, c.tile, c.split_k);
   if (!c.is_cudnn()) return kernels::conv2d_fprop_fixup_can_implement(p, dtype, c.tile, c.split_k);
   // The epilogue pass runs on 16-byte vectors: K % 8 == 0 keeps the output a whole number of them.
   return p.k % 8 == 0 &&
@@ -72,6 +74,7 @@ bool fixup_conv_can_implement(const ConvConfig& c, const Conv2dProblem& p, ConvD
 }
 
 size_t fixup_conv_workspace_bytes(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype) {
+  if (c.parallel) return kernels::conv2d_fprop_fixup_parallel_workspace_bytes(p, dtype, c.tile, c.split_k);
   if (!c.is_cudnn()) return kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k);
   const size_t b = kernels::cudnn_conv_workspace_bytes(kernels::CudnnConvOp::kFprop, p, dtype, c.cudnn_algo);
   return b == SIZE_MAX ? 0 : b;
@@ -80,6 +83,9 @@ size_t fixup_conv_workspace_bytes(const ConvConfig& c, const Conv2dProblem& p, C
 cudaError_t run_fixup_conv(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype, const void* x,
                            const void* w, void* y, const kernels::FixupEpilogue& e, void* workspace,
                            size_t workspace_bytes, cudaStream_t stream) {
+  if (c.parallel)
+    return kernels::conv2d_fprop_fixup_parallel(p, dtype, c.tile, x, w, y, e, c.split_k, workspace, workspace_bytes,
+                                                stream);
   if (!c.is_cudnn())
     return kernels::conv2d_fprop_fixup(p, dtype, c.tile, x, w, y, e, c.split_k, workspace, workspace_bytes, stream);
   const cudaError_t err =
@@ -130,6 +136,16 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
       add({t, s});
     }
   }
+  // Parallel split-K where the tiles alone fill less than the machine: up to two waves, slices >= 128 deep, and at
+  // most 64 MiB of fp32 partials (the encoder keeps two workspaces of the largest choice).
+  constexpr size_t kMaxPartialBytes = size_t(64) << 20;
+  for (ConvTile t : {ConvTile::k128x128, ConvTile::k64x128, ConvTile::k64x64x64, ConvTile::k128x64, ConvTile::k64x64})
+    for (int s = 2; s <= 16 && tiles(p, t) < sm_count; s *= 2) {
+      if (gemm_k(p) / s < 128 || tiles(p, t) * s > 2 * int64_t(sm_count)) break;
+      ConvConfig c{t, s};
+      c.parallel = true;
+      if (size_t(s) * size_t(gemm_m(p)) * p.k * sizeof(float) <= kMaxPartialBytes) add(c);
+    }
   add({ConvTile::kSm90_128x64, 1});
   add({ConvTile::kSm90_64x64, 1});
   add({ConvTile::kSm90_64x64_c2x2, 1});

@@ -15,14 +15,19 @@ namespace kfuse {
 struct ConvConfig {
   kernels::ConvTile tile = kernels::ConvTile::k64x64;
   int split_k = 1;
+  // Parallel split-K (conv2d_fprop_fixup_parallel: fp32 partials, then a reduction pass with the epilogue) instead
+  // of serial; split_k >= 2.
+  bool parallel = false;
   // >= 0: cuDNN's forward algorithm of that number (tile and split_k unused), then the FixUp epilogue as a separate
   // element-wise pass (kernels/conv/fixup_epilogue_pass.h): the tuner's way to never be slower than cuDNN.
   int cudnn_algo = -1;
   bool is_cudnn() const { return cudnn_algo >= 0; }
-  // e.g. "sm80_128x64_k2", "sm90_128x64", "cudnn_a1": stable, they are the tuning cache's values.
+  // e.g. "sm80_128x64_k2", "sm80_128x128_p8" (parallel), "sm90_128x64", "cudnn_a1": stable, they are the tuning
+  // cache's values.
   std::string name() const;
   bool operator==(const ConvConfig& o) const {
-    return cudnn_algo == o.cudnn_algo && (is_cudnn() || (tile == o.tile && split_k == o.split_k));
+    return cudnn_algo == o.cudnn_algo &&
+           (is_cudnn() || (tile == o.tile && split_k == o.split_k && parallel == o.parallel));
   }
 };
 
@@ -47,8 +52,9 @@ ConvConfig conv_heuristic(const kernels::Conv2dProblem& p, int sm_count,
                           kernels::ConvDType dtype = kernels::ConvDType::kF16);
 
 // Every configuration that can run `p` in `dtype` on a device of compute capability `cc_major`, the heuristic's
-// first (the tuner's reference candidate); cuDNN's forward algorithms last, when cuDNN is available on the current
-// device and kfuse's own kernels can run the problem (the encoder needs them anyway).
+// first (the tuner's reference candidate); parallel split-K where the tiles alone leave SMs idle; cuDNN's forward
+// algorithms last, when cuDNN is available on the current device and kfuse's own kernels can run the problem (the
+// encoder needs them anyway).
 std::vector<ConvConfig> conv_candidates(const kernels::Conv2dProblem& p, kernels::ConvDType dtype, int cc_major,
                                         int sm_count);
 

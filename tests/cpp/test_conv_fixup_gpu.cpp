@@ -1,7 +1,8 @@
 // GPU tests of the FixUp-epilogue conv launchers (src/kernels/conv/conv_fixup.h) against a float64 CPU reference
 // y = post + act(alpha * conv(x, w) + pre) computed from the same rounded fp16 / bf16 inputs. Tests that need a GPU
 // skip when there is none or when its compute capability is not 8.x / 9.x (the kernels' SASS), or not 9.x for the
-// Hopper (kSm90) tiles, which run split_k 1 only.
+// Hopper (kSm90) tiles, which run split_k 1 only. The parallel split-K launchers (conv2d_fprop_fixup_parallel: fp32
+// partials, then the reduction pass with the epilogue) run the same cases with split_k >= 2.
 #include "kernels/conv/conv_fixup.h"
 
 #include <cuda_bf16.h>
@@ -40,7 +41,8 @@ struct Variant {
   const char* name;
   ConvDType dtype;
   ConvTile tile;
-  bool sm90 = false;  // CUTLASS 3.x Hopper tile: compute capability 9.x, fp16, split_k 1 only
+  bool sm90 = false;      // CUTLASS 3.x Hopper tile: compute capability 9.x, fp16, split_k 1 only
+  bool parallel = false;  // parallel split-K launcher: split_k >= 2 only
 };
 
 const Variant kVariants[] = {
@@ -63,6 +65,32 @@ const Variant kSm90Variants[] = {
     {"f16_sm90_128x128", ConvDType::kF16, ConvTile::kSm90_128x128, true},
     {"f16_sm90_256x64", ConvDType::kF16, ConvTile::kSm90_256x64, true},
 };
+
+const Variant kParallelVariants[] = {
+    {"f16_128x128_parallel", ConvDType::kF16, ConvTile::k128x128, false, true},
+    {"f16_64x128_parallel", ConvDType::kF16, ConvTile::k64x128, false, true},
+    {"f16_64x64x64_parallel", ConvDType::kF16, ConvTile::k64x64x64, false, true},
+    {"f16_128x64_parallel", ConvDType::kF16, ConvTile::k128x64, false, true},
+    {"bf16_128x128_parallel", ConvDType::kBF16, ConvTile::k128x128, false, true},
+    {"bf16_64x64_parallel", ConvDType::kBF16, ConvTile::k64x64, false, true},
+};
+
+// The three entry points of a variant: the serial launchers (conv_fixup.h's first three) or the parallel ones.
+bool can_implement(const Variant& v, const Conv2dProblem& p, int split_k) {
+  return v.parallel ? kfuse::kernels::conv2d_fprop_fixup_parallel_can_implement(p, v.dtype, v.tile, split_k)
+                    : kfuse::kernels::conv2d_fprop_fixup_can_implement(p, v.dtype, v.tile, split_k);
+}
+size_t workspace_bytes(const Variant& v, const Conv2dProblem& p, int split_k) {
+  return v.parallel ? kfuse::kernels::conv2d_fprop_fixup_parallel_workspace_bytes(p, v.dtype, v.tile, split_k)
+                    : kfuse::kernels::conv2d_fprop_fixup_workspace_bytes(p, v.dtype, v.tile, split_k);
+}
+cudaError_t launch(const Variant& v, const Conv2dProblem& p, const void* x, const void* w, void* y,
+                   const FixupEpilogue& e, int split_k, void* ws, size_t ws_bytes, cudaStream_t stream) {
+  return v.parallel ? kfuse::kernels::conv2d_fprop_fixup_parallel(p, v.dtype, v.tile, x, w, y, e, split_k, ws,
+                                                                  ws_bytes, stream)
+                    : kfuse::kernels::conv2d_fprop_fixup(p, v.dtype, v.tile, x, w, y, e, split_k, ws, ws_bytes,
+                                                         stream);
+}
 
 std::string device_skip_reason(const Variant& v) {
   if (v.sm90) return kfuse::testing::device_skip_reason(9, 9, "the sm90 fixup conv kernels (sm_90a)");
@@ -114,8 +142,10 @@ void run_fixup(const Variant& v, const Conv2dProblem& p, int split_k, const std:
   ASSERT_EQ(dx.alloc(x.size() * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(dw.alloc(w.size() * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(dy.alloc(poison.size() * sizeof(uint16_t)), cudaSuccess);
-  const size_t ws_bytes = kfuse::kernels::conv2d_fprop_fixup_workspace_bytes(p, v.dtype, v.tile, split_k);
-  if (split_k == 1) {
+  const size_t ws_bytes = workspace_bytes(v, p, split_k);
+  if (v.parallel) {
+    EXPECT_EQ(ws_bytes, size_t(split_k) * grad_elems(p) * sizeof(float)) << "the split_k fp32 partial outputs";
+  } else if (split_k == 1) {
     EXPECT_EQ(ws_bytes, 0u);
   } else {
     EXPECT_GT(ws_bytes, 0u) << "serial split-K needs its semaphores";
@@ -127,9 +157,10 @@ void run_fixup(const Variant& v, const Conv2dProblem& p, int split_k, const std:
 
   StreamGuard stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking), cudaSuccess);
-  ASSERT_EQ(kfuse::kernels::conv2d_fprop_fixup(p, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, epilogue, split_k, ws.ptr,
-                                               ws.bytes, stream.stream),
-            cudaSuccess);
+  if (v.parallel) {  // poison the partials too: a slice left unwritten must show
+    ASSERT_EQ(cudaMemset(ws.ptr, 0xff, ws.bytes), cudaSuccess);
+  }
+  ASSERT_EQ(launch(v, p, dx.ptr, dw.ptr, dy.ptr, epilogue, split_k, ws.ptr, ws.bytes, stream.stream), cudaSuccess);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream.stream), cudaSuccess);
 
@@ -147,6 +178,7 @@ struct FixupCase {
 
 const FixupCase kCases[] = {
     {"n3_16x16_c64_k64_s1", make_problem(3, 16, 16, 64, 64, 3, 3, 1, 1), 1},
+    {"n3_16x16_c64_k64_s1_split2", make_problem(3, 16, 16, 64, 64, 3, 3, 1, 1), 2},
     {"n2_16x16_c64_k128_s2", make_problem(2, 16, 16, 64, 128, 3, 3, 1, 2), 1},
     {"n2_4x4_c256_k512_s2", make_problem(2, 4, 4, 256, 512, 3, 3, 1, 2), 1},
     // C / split_k not a multiple of the 32-channel K tile: uneven slices, the last one partly out of range.
@@ -180,7 +212,7 @@ TEST_P(ConvFixupGpuTest, MatchesFloat64Reference) {
   const std::string test_name = std::string(v.name) + "/" + tc.name + (relu ? "/relu" : "/identity");
   const uint32_t seed = seed_for(test_name);
   SCOPED_TRACE(test_name + " seed=" + std::to_string(seed));
-  ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_can_implement(p, v.dtype, v.tile, tc.split_k));
+  ASSERT_TRUE(can_implement(v, p, tc.split_k));
 
   std::mt19937 rng(seed);
   const std::vector<uint16_t> x = random_nonzero_bits(act_elems(p), v.dtype, rng);
@@ -220,6 +252,10 @@ std::vector<GpuParam> all_gpu_params() {
     for (const FixupCase& tc : kCases)
       if (tc.split_k == 1)
         for (bool relu : {false, true}) params.push_back({&v, tc, relu});
+  for (const Variant& v : kParallelVariants)
+    for (const FixupCase& tc : kCases)
+      if (tc.split_k >= 2)
+        for (bool relu : {false, true}) params.push_back({&v, tc, relu});
   return params;
 }
 
@@ -239,13 +275,14 @@ TEST_P(ConvFixupVariantTest, NullScalarsMeanIdentity) {
 
   const Conv2dProblem p = make_problem(2, 8, 8, 64, 64, 3, 3, 1, 1);
   for (int split_k : {1, 2}) {
-    if (v.sm90 && split_k != 1) continue;  // no split-K on the Hopper tiles
+    if (v.sm90 && split_k != 1) continue;    // no split-K on the Hopper tiles
+    if (v.parallel && split_k == 1) continue;  // parallel split-K needs two slices
     for (bool relu : {false, true}) {
       const std::string test_name =
           std::string(v.name) + "/null_scalars/split" + std::to_string(split_k) + (relu ? "/relu" : "/identity");
       const uint32_t seed = seed_for(test_name);
       SCOPED_TRACE(test_name + " seed=" + std::to_string(seed));
-      ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_can_implement(p, v.dtype, v.tile, split_k));
+      ASSERT_TRUE(can_implement(v, p, split_k));
 
       std::mt19937 rng(seed);
       const std::vector<uint16_t> x = random_nonzero_bits(act_elems(p), v.dtype, rng);
@@ -268,44 +305,48 @@ TEST_P(ConvFixupVariantTest, NullScalarsMeanIdentity) {
 TEST_P(ConvFixupVariantTest, LauncherReturnsErrorWithoutLaunching) {
   const Variant& v = *GetParam();
   if (const std::string why = device_skip_reason(v); !why.empty()) GTEST_SKIP() << why;
+  // The smallest split each launcher accepts (parallel split-K needs two slices) and a workspace that fits it, so
+  // that each call below is rejected for the one fault it has.
+  const int split = v.parallel ? 2 : 1;
 
   const Conv2dProblem bad = make_problem(1, 8, 8, 3, 64, 3, 3, 1, 1);  // C = 3: not 16-byte rows
-  ASSERT_FALSE(kfuse::kernels::conv2d_fprop_fixup_can_implement(bad, v.dtype, v.tile));
+  ASSERT_FALSE(can_implement(v, bad, split));
   const Conv2dProblem good = make_problem(1, 8, 8, 64, 64, 3, 3, 1, 1);
+  ASSERT_TRUE(can_implement(v, good, split));
   if (v.sm90) {  // split_k 4 is then rejected by can_implement rather than for its missing workspace
-    ASSERT_FALSE(kfuse::kernels::conv2d_fprop_fixup_can_implement(good, v.dtype, v.tile, 4));
-    ASSERT_EQ(kfuse::kernels::conv2d_fprop_fixup_workspace_bytes(good, v.dtype, v.tile, 4), 0u);
+    ASSERT_FALSE(can_implement(v, good, 4));
+    ASSERT_EQ(workspace_bytes(v, good, 4), 0u);
   } else {
-    ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_can_implement(good, v.dtype, v.tile, 4));
-    ASSERT_GT(kfuse::kernels::conv2d_fprop_fixup_workspace_bytes(good, v.dtype, v.tile, 4), 0u);
+    ASSERT_TRUE(can_implement(v, good, 4));
+    ASSERT_GT(workspace_bytes(v, good, 4), 0u);
   }
 
   std::mt19937 rng(seed_for(std::string(v.name) + "/reject"));
   const std::vector<uint16_t> x = random_nonzero_bits(act_elems(good), v.dtype, rng);  // covers both problems' inputs
   const std::vector<uint16_t> w = random_nonzero_bits(filter_elems(good), v.dtype, rng);
   const std::vector<uint16_t> poison(grad_elems(good), nan_bits(v.dtype));
-  DeviceBuffer dx, dw, dy;
+  DeviceBuffer dx, dw, dy, ws;
   ASSERT_EQ(dx.alloc(x.size() * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(dw.alloc(w.size() * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(dy.alloc(poison.size() * sizeof(uint16_t)), cudaSuccess);
+  const size_t ws_bytes = workspace_bytes(v, good, split);
+  ASSERT_EQ(ws.alloc(ws_bytes), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dx.ptr, x.data(), dx.bytes, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dw.ptr, w.data(), dw.bytes, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dy.ptr, poison.data(), dy.bytes, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
 
-  using kfuse::kernels::conv2d_fprop_fixup;
   const FixupEpilogue e;
-  EXPECT_EQ(conv2d_fprop_fixup(bad, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, e, 1, nullptr, 0, nullptr),
-            cudaErrorInvalidValue);
+  EXPECT_EQ(launch(v, bad, dx.ptr, dw.ptr, dy.ptr, e, split, ws.ptr, ws_bytes, nullptr), cudaErrorInvalidValue);
   // Misaligned x, null y, split-K without its workspace, and split_k 0 are rejected the same way.
-  EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.as<uint16_t>() + 1, dw.ptr, dy.ptr, e, 1, nullptr, 0, nullptr),
+  EXPECT_EQ(launch(v, good, dx.as<uint16_t>() + 1, dw.ptr, dy.ptr, e, split, ws.ptr, ws_bytes, nullptr),
             cudaErrorInvalidValue);
-  EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.ptr, dw.ptr, nullptr, e, 1, nullptr, 0, nullptr),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, e, 4, nullptr, 0, nullptr),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(conv2d_fprop_fixup(good, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, e, 0, nullptr, 0, nullptr),
-            cudaErrorInvalidValue);
+  EXPECT_EQ(launch(v, good, dx.ptr, dw.ptr, nullptr, e, split, ws.ptr, ws_bytes, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(launch(v, good, dx.ptr, dw.ptr, dy.ptr, e, 4, nullptr, 0, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(launch(v, good, dx.ptr, dw.ptr, dy.ptr, e, 0, ws.ptr, ws_bytes, nullptr), cudaErrorInvalidValue);
+  if (v.parallel) {  // a workspace one byte short of the partials
+    EXPECT_EQ(launch(v, good, dx.ptr, dw.ptr, dy.ptr, e, split, ws.ptr, ws_bytes - 1, nullptr), cudaErrorInvalidValue);
+  }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a rejected call must not leave a CUDA error behind";
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -320,7 +361,8 @@ INSTANTIATE_TEST_SUITE_P(Kernels, ConvFixupVariantTest,
                          ::testing::Values(&kVariants[0], &kVariants[1], &kVariants[2], &kVariants[3],
                                            &kVariants[4], &kVariants[5], &kVariants[6], &kVariants[7],
                                            &kVariants[8], &kSm90Variants[0], &kSm90Variants[1],
-                                           &kSm90Variants[2], &kSm90Variants[3]),
+                                           &kSm90Variants[2], &kSm90Variants[3], &kParallelVariants[0],
+                                           &kParallelVariants[4]),
                          [](const ::testing::TestParamInfo<const Variant*>& info) {
                            return std::string(info.param->name);
                          });
@@ -387,6 +429,31 @@ TEST(ConvFixupCanImplement, Sm90TilesNeedF16AndNoSplitK) {
     EXPECT_EQ(conv2d_fprop_fixup_workspace_bytes(ok, ConvDType::kF16, v.tile, 2), 0u);
     EXPECT_EQ(conv2d_fprop_fixup_workspace_bytes(ok, ConvDType::kBF16, v.tile, 1), 0u);
   }
+}
+
+TEST(ConvFixupCanImplement, ParallelSplitNeedsTwoSlicesAndHoldsFp32Partials) {
+  using kfuse::kernels::conv2d_fprop_fixup_parallel_can_implement;
+  using kfuse::kernels::conv2d_fprop_fixup_parallel_workspace_bytes;
+  const Conv2dProblem late = make_problem(128, 2, 2, 512, 512, 3, 3, 1, 1);  // block 4's conv2 at N = 128
+  for (const Variant& v : kParallelVariants) {
+    SCOPED_TRACE(v.name);
+    EXPECT_FALSE(conv2d_fprop_fixup_parallel_can_implement(late, v.dtype, v.tile, 1)) << "one slice";
+    EXPECT_FALSE(conv2d_fprop_fixup_parallel_can_implement(late, v.dtype, v.tile, 65)) << "split_k above 64";
+    EXPECT_FALSE(conv2d_fprop_fixup_parallel_can_implement(make_problem(2, 16, 16, 64, 12, 3, 3, 1, 1), v.dtype,
+                                                           v.tile, 2))
+        << "K = 12 is not a multiple of 8";
+    for (int split : {2, 8, 9}) {
+      EXPECT_TRUE(conv2d_fprop_fixup_parallel_can_implement(late, v.dtype, v.tile, split)) << split;
+      EXPECT_EQ(conv2d_fprop_fixup_parallel_workspace_bytes(late, v.dtype, v.tile, split),
+                size_t(split) * 128 * 2 * 2 * 512 * sizeof(float))
+          << split;
+    }
+    EXPECT_EQ(conv2d_fprop_fixup_parallel_workspace_bytes(late, v.dtype, v.tile, 1), 0u);
+  }
+  EXPECT_FALSE(conv2d_fprop_fixup_parallel_can_implement(late, ConvDType::kF16, ConvTile::k64x64, 2))
+      << "no fp16 64x64x32 parallel instance";
+  EXPECT_FALSE(conv2d_fprop_fixup_parallel_can_implement(late, ConvDType::kF16, ConvTile::kSm90_64x64, 2))
+      << "no Hopper parallel instance";
 }
 
 // On a device other than 9.x the Hopper launch refuses with cudaErrorInvalidDevice and leaves no CUDA error.

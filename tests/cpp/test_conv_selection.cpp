@@ -48,17 +48,44 @@ TEST(ConvSelection, HopperTilesOnlyOnHopperAndInFp16) {
   const Conv2dProblem p = problem(128, 8, 128, 128, 1);
   EXPECT_FALSE(has_sm90(kfuse::conv_candidates(p, ConvDType::kF16, 8, 108)));
   EXPECT_FALSE(has_sm90(kfuse::conv_candidates(p, ConvDType::kBF16, 9, 132)));
-  // bf16 has the two CUTLASS 2.x tiles only (fp16-only tiles are not offered).
-  for (const ConvConfig& c : kfuse::conv_candidates(p, ConvDType::kBF16, 9, 132))
-    EXPECT_TRUE(c.tile == ConvTile::k128x64 || c.tile == ConvTile::k64x64) << c.name();
+  // bf16 has the two serial CUTLASS 2.x tiles and the two parallel split-K ones only (fp16-only tiles are not
+  // offered).
+  for (const ConvConfig& c : kfuse::conv_candidates(p, ConvDType::kBF16, 9, 132)) {
+    if (c.is_cudnn()) continue;
+    if (c.parallel)
+      EXPECT_TRUE(c.tile == ConvTile::k128x128 || c.tile == ConvTile::k64x64) << c.name();
+    else
+      EXPECT_TRUE(c.tile == ConvTile::k128x64 || c.tile == ConvTile::k64x64) << c.name();
+  }
 }
 
-TEST(ConvSelection, NoSplitKInBf16) {
-  // Serial split-K rounds partial sums to the output type: too coarse in bf16 (see conv_heuristic).
+TEST(ConvSelection, NoSerialSplitKInBf16) {
+  // Serial split-K rounds partial sums to the output type: too coarse in bf16 (see conv_heuristic). Parallel
+  // split-K keeps them in fp32, so bf16 may split that way.
   const Conv2dProblem p = problem(1, 2, 512, 512, 1);  // one tile: fp16 splits it
   EXPECT_GT(kfuse::conv_heuristic(p, 132, ConvDType::kF16).split_k, 1);
   EXPECT_EQ(kfuse::conv_heuristic(p, 132, ConvDType::kBF16).split_k, 1);
-  for (const ConvConfig& c : kfuse::conv_candidates(p, ConvDType::kBF16, 9, 132)) EXPECT_EQ(c.split_k, 1) << c.name();
+  bool any_parallel = false;
+  for (const ConvConfig& c : kfuse::conv_candidates(p, ConvDType::kBF16, 9, 132)) {
+    if (c.split_k > 1) EXPECT_TRUE(c.parallel) << c.name();
+    any_parallel = any_parallel || c.parallel;
+  }
+  EXPECT_TRUE(any_parallel);
+}
+
+TEST(ConvSelection, ParallelSplitOnlyWhereTilesLeaveSmsIdle) {
+  // Block 4's conv2 at N = 128: 512 x 512 x 4608, 16 tiles of 128 x 128; at N = 2048, 256 of them.
+  bool any_parallel = false;
+  for (const ConvConfig& c : kfuse::conv_candidates(problem(128, 2, 512, 512, 1), ConvDType::kF16, 9, 132)) {
+    if (!c.parallel) continue;
+    any_parallel = true;
+    EXPECT_GE(c.split_k, 2) << c.name();
+    EXPECT_GE(512 * 9 / c.split_k, 128) << c.name();
+    EXPECT_NE(c.name().find("_p"), std::string::npos) << c.name();
+  }
+  EXPECT_TRUE(any_parallel);
+  for (const ConvConfig& c : kfuse::conv_candidates(problem(2048, 2, 512, 512, 1), ConvDType::kF16, 9, 132))
+    EXPECT_FALSE(c.parallel && c.tile == ConvTile::k128x128) << c.name() << ": 256 tiles already fill 132 SMs";
 }
 
 TEST(ConvSelection, SplitKKeepsSlicesDeepAndGridsBounded) {
@@ -83,6 +110,10 @@ TEST(ConvSelection, ShapeKeyIsStable) {
   EXPECT_EQ(kfuse::conv_shape_key(problem(128, 16, 64, 128, 2)), "n128_h16_w16_c64_k128_r3_s3_p1_u2");
   EXPECT_EQ((ConvConfig{ConvTile::k64x64, 2}).name(), "sm80_64x64_k2");
   EXPECT_EQ((ConvConfig{ConvTile::kSm90_128x64, 1}).name(), "sm90_128x64");
+  ConvConfig parallel{ConvTile::k128x128, 8};
+  parallel.parallel = true;
+  EXPECT_EQ(parallel.name(), "sm80_128x128_p8");
+  EXPECT_FALSE(parallel == (ConvConfig{ConvTile::k128x128, 8})) << "serial and parallel split-K differ";
 }
 
 }  // namespace

@@ -48,6 +48,25 @@ const Instance* find_instance(ConvDType dtype, ConvTile tile) {
   return nullptr;
 }
 
+const Instance* find_parallel_instance(ConvDType dtype, ConvTile tile) {
+  struct Entry {
+    ConvDType dtype;
+    ConvTile tile;
+    Instance instance;
+  };
+  static const Entry kTable[] = {
+      {ConvDType::kF16, ConvTile::k128x128, KFUSE_FIXUP_INSTANCE(fixup_split_f16_128x128)},
+      {ConvDType::kF16, ConvTile::k64x128, KFUSE_FIXUP_INSTANCE(fixup_split_f16_64x128)},
+      {ConvDType::kF16, ConvTile::k64x64x64, KFUSE_FIXUP_INSTANCE(fixup_split_f16_64x64x64)},
+      {ConvDType::kF16, ConvTile::k128x64, KFUSE_FIXUP_INSTANCE(fixup_split_f16_128x64)},
+      {ConvDType::kBF16, ConvTile::k128x128, KFUSE_FIXUP_INSTANCE(fixup_split_bf16_128x128)},
+      {ConvDType::kBF16, ConvTile::k64x64, KFUSE_FIXUP_INSTANCE(fixup_split_bf16_64x64)},
+  };
+  for (const Entry& e : kTable)
+    if (e.dtype == dtype && e.tile == tile) return &e.instance;
+  return nullptr;
+}
+
 #undef KFUSE_FIXUP_INSTANCE
 
 }  // namespace
@@ -67,6 +86,26 @@ cudaError_t conv2d_fprop_fixup(const Conv2dProblem& problem, ConvDType dtype, Co
                                const void* w, void* y, const FixupEpilogue& epilogue, int split_k, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream) {
   const Instance* inst = find_instance(dtype, tile);
+  if (inst == nullptr) return cudaErrorInvalidValue;
+  return inst->launch(problem, x, w, y, epilogue, split_k, workspace, workspace_bytes, stream);
+}
+
+bool conv2d_fprop_fixup_parallel_can_implement(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile,
+                                                int split_k) {
+  const Instance* inst = find_parallel_instance(dtype, tile);
+  return inst != nullptr && inst->can_implement(problem, split_k);
+}
+
+size_t conv2d_fprop_fixup_parallel_workspace_bytes(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile,
+                                                   int split_k) {
+  const Instance* inst = find_parallel_instance(dtype, tile);
+  return inst != nullptr ? inst->workspace_bytes(problem, split_k) : 0;
+}
+
+cudaError_t conv2d_fprop_fixup_parallel(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile, const void* x,
+                                        const void* w, void* y, const FixupEpilogue& epilogue, int split_k,
+                                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  const Instance* inst = find_parallel_instance(dtype, tile);
   if (inst == nullptr) return cudaErrorInvalidValue;
   return inst->launch(problem, x, w, y, epilogue, split_k, workspace, workspace_bytes, stream);
 }

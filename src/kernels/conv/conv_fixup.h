@@ -65,4 +65,19 @@ KFUSE_KERNEL_API cudaError_t conv2d_fprop_fixup(const Conv2dProblem& problem, Co
                                                 int split_k, void* workspace, size_t workspace_bytes,
                                                 cudaStream_t stream);
 
+// Parallel split-K (fixup_split_impl.cuh): the split_k slices of the GEMM K run side by side (grid z = split_k) and
+// store fp32 partial outputs in the workspace, then a reduction pass sums them in order and applies the epilogue,
+// rounding once. For the late layers at small batches, whose tiles alone fill a fraction of the SMs. Instances:
+// fp16 k128x128, k64x128, k64x64x64, k128x64; bf16 k128x128, k64x64. split_k in [2, 64]; K a multiple of 8.
+// Same contracts as the serial functions above; the workspace holds split_k * n*p*q*k floats and must be 16-byte
+// aligned.
+KFUSE_KERNEL_API bool conv2d_fprop_fixup_parallel_can_implement(const Conv2dProblem& problem, ConvDType dtype,
+                                                                ConvTile tile, int split_k);
+KFUSE_KERNEL_API size_t conv2d_fprop_fixup_parallel_workspace_bytes(const Conv2dProblem& problem, ConvDType dtype,
+                                                                    ConvTile tile, int split_k);
+KFUSE_KERNEL_API cudaError_t conv2d_fprop_fixup_parallel(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile,
+                                                         const void* x, const void* w, void* y,
+                                                         const FixupEpilogue& epilogue, int split_k, void* workspace,
+                                                         size_t workspace_bytes, cudaStream_t stream);
+
 }  // namespace kfuse::kernels

@@ -1,4 +1,5 @@
-// The FixUp epilogue as a memory-bound pass (fixup_epilogue_pass.h): 16-byte vectors of 8 elements, grid-stride.
+// The FixUp epilogue as a memory-bound pass (fixup_epilogue_pass.h): 16-byte vectors of 8 output elements,
+// grid-stride; in place over a 16-bit output, or reducing fp32 partial sums of parallel split-K.
 #include "kernels/conv/fixup_epilogue_pass.h"
 
 #include <algorithm>
@@ -18,22 +19,29 @@ __device__ __forceinline__ uint32_t next_up_bits(uint32_t bits) {
   return (bits & 0x8000u) ? bits - 1 : bits + 1;
 }
 
+// The epilogue's scalars, read once per thread from device memory (nullptr: 1, 0, 0).
 template <class T>
-__global__ void __launch_bounds__(256) fixup_epilogue_kernel(uint4* y, size_t vecs, const float* alpha_p,
-                                                             const float* pre_p, const float* post_p, bool relu) {
-  const float alpha = alpha_p ? *alpha_p : 1.0f;
-  const float pre = pre_p ? *pre_p : 0.0f;
-  const float post = post_p ? *post_p : 0.0f;
-  const uint32_t post_bits = t_bits<T>(to_t<T>(post));
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < vecs; i += size_t(gridDim.x) * blockDim.x) {
-    const uint4 in = y[i];
-    uint32_t w[4] = {in.x, in.y, in.z, in.w};
+struct EpilogueScalars {
+  float alpha, pre, post;
+  uint32_t post_bits;
+  bool relu;
+  __device__ EpilogueScalars(const float* alpha_p, const float* pre_p, const float* post_p, bool relu_)
+      : alpha(alpha_p ? *alpha_p : 1.0f),
+        pre(pre_p ? *pre_p : 0.0f),
+        post(post_p ? *post_p : 0.0f),
+        post_bits(t_bits<T>(to_t<T>(post_p ? *post_p : 0.0f))),
+        relu(relu_) {}
+
+  // post + act(alpha * acc + pre) for 8 values, packed as 8 T; an active ReLU never stores T(post)
+  // (fixup_epilogue.h).
+  __device__ uint4 finish(const float (&acc)[8]) const {
+    uint32_t w[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t out = 0;
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        float v = alpha * bits_to_f<T>((w[j] >> (16 * k)) & 0xffffu) + pre;
+        float v = alpha * acc[2 * j + k] + pre;
         if (relu && v < 0.0f) v = 0.0f;  // NaN passes, as torch.relu
         uint32_t b = t_bits<T>(to_t<T>(post + v));
         if (post != 0.0f && v > 0.0f && b == post_bits) b = next_up_bits(b);
@@ -41,27 +49,86 @@ __global__ void __launch_bounds__(256) fixup_epilogue_kernel(uint4* y, size_t ve
       }
       w[j] = out;
     }
-    y[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+template <class T>
+__global__ void __launch_bounds__(256) fixup_epilogue_kernel(uint4* y, size_t vecs, const float* alpha_p,
+                                                             const float* pre_p, const float* post_p, bool relu) {
+  const EpilogueScalars<T> e(alpha_p, pre_p, post_p, relu);
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < vecs; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 in = y[i];
+    const uint32_t w[4] = {in.x, in.y, in.z, in.w};
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = bits_to_f<T>((w[j / 2] >> (16 * (j % 2))) & 0xffffu);
+    y[i] = e.finish(acc);
   }
 }
+
+// One thread per 8 outputs: two float4 of every slice, added in slice order.
+template <class T>
+__global__ void __launch_bounds__(256) fixup_epilogue_reduce_kernel(const float4* partials, int slices,
+                                                                    size_t slice_vecs4, uint4* y, size_t vecs,
+                                                                    const float* alpha_p, const float* pre_p,
+                                                                    const float* post_p, bool relu) {
+  const EpilogueScalars<T> e(alpha_p, pre_p, post_p, relu);
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < vecs; i += size_t(gridDim.x) * blockDim.x) {
+    float4 a = partials[2 * i], b = partials[2 * i + 1];
+    for (int s = 1; s < slices; ++s) {
+      const float4 c = partials[s * slice_vecs4 + 2 * i], d = partials[s * slice_vecs4 + 2 * i + 1];
+      a.x += c.x, a.y += c.y, a.z += c.z, a.w += c.w;
+      b.x += d.x, b.y += d.y, b.z += d.z, b.w += d.w;
+    }
+    const float acc[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    y[i] = e.finish(acc);
+  }
+}
+
+unsigned grid_for(size_t vecs) {
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return unsigned(std::min<size_t>((vecs + 255) / 256, size_t(std::max(sms, 1)) * 8));
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
 cudaError_t fixup_epilogue_inplace(void* y, size_t count, ConvDType dtype, const FixupEpilogue& e,
                                    cudaStream_t stream) {
-  if (!y || reinterpret_cast<uintptr_t>(y) % 16 != 0 || count % 8 != 0) return cudaErrorInvalidValue;
+  if (!y || !aligned16(y) || count % 8 != 0) return cudaErrorInvalidValue;
   const size_t vecs = count / 8;
   if (vecs == 0) return cudaSuccess;
-  int dev = 0, sms = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const unsigned blocks = unsigned(std::min<size_t>((vecs + 255) / 256, size_t(std::max(sms, 1)) * 8));
+  const unsigned blocks = grid_for(vecs);
   if (dtype == ConvDType::kF16)
     fixup_epilogue_kernel<__half><<<blocks, 256, 0, stream>>>(static_cast<uint4*>(y), vecs, e.alpha, e.pre, e.post,
                                                               e.relu);
   else
     fixup_epilogue_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(static_cast<uint4*>(y), vecs, e.alpha, e.pre,
                                                                      e.post, e.relu);
+  return cudaGetLastError();
+}
+
+cudaError_t fixup_epilogue_reduce(const float* partials, int slices, size_t slice_stride, void* y, size_t count,
+                                  ConvDType dtype, const FixupEpilogue& e, cudaStream_t stream) {
+  if (!partials || !y || !aligned16(partials) || !aligned16(y) || count % 8 != 0 || slice_stride % 8 != 0 ||
+      slices < 1 || (slices > 1 && slice_stride < count))
+    return cudaErrorInvalidValue;
+  const size_t vecs = count / 8;
+  if (vecs == 0) return cudaSuccess;
+  const unsigned blocks = grid_for(vecs);
+  const auto* p4 = reinterpret_cast<const float4*>(partials);
+  if (dtype == ConvDType::kF16)
+    fixup_epilogue_reduce_kernel<__half><<<blocks, 256, 0, stream>>>(p4, slices, slice_stride / 4,
+                                                                     static_cast<uint4*>(y), vecs, e.alpha, e.pre,
+                                                                     e.post, e.relu);
+  else
+    fixup_epilogue_reduce_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(p4, slices, slice_stride / 4,
+                                                                            static_cast<uint4*>(y), vecs, e.alpha,
+                                                                            e.pre, e.post, e.relu);
   return cudaGetLastError();
 }
 

@@ -1,5 +1,6 @@
 // The FixUp epilogue of conv_fixup.h as a separate element-wise pass over a convolution's output, for providers that
-// cannot fuse it (cuDNN's forward, which takes host scalars only):
+// cannot fuse it (cuDNN's forward, which takes host scalars only), and as the reduction of parallel split-K's partial
+// sums (below):
 //
 //   y = post + act(alpha * y + pre)   in place, act = relu if `relu` else identity,
 //
@@ -26,5 +27,16 @@ inline bool fixup_epilogue_is_identity(const FixupEpilogue& e) {
 // cudaErrorInvalidValue without launching for a misaligned pointer or count.
 cudaError_t fixup_epilogue_inplace(void* y, size_t count, ConvDType dtype, const FixupEpilogue& epilogue,
                                    cudaStream_t stream);
+
+// The second half of a parallel split-K convolution (conv_fixup.h, conv2d_fprop_fixup_parallel): `slices` fp32
+// partial sums of the output, `slice_stride` elements apart, summed in slice order 0, 1, ... (fixed order, no
+// atomics: bitwise reproducible), then the epilogue, rounded once to dtype:
+//
+//   y = post + act(alpha * sum_s partials[s * slice_stride + i] + pre)   for i < count,
+//
+// with the fused epilogue's rounding rule. `partials` and `y` 16-byte aligned, count and slice_stride multiples of 8,
+// slices >= 1. Asynchronous on `stream`; cudaErrorInvalidValue without launching otherwise.
+cudaError_t fixup_epilogue_reduce(const float* partials, int slices, size_t slice_stride, void* y, size_t count,
+                                  ConvDType dtype, const FixupEpilogue& epilogue, cudaStream_t stream);
 
 }  // namespace kfuse::kernels

@@ -35,4 +35,12 @@ KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_128x64_s4)
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_128x128)
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_256x64)
 
+// Parallel split-K instances (fixup_split_<dtype>_<tile>.cu, fixup_split_impl.cuh).
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_split_f16_128x128)
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_split_f16_64x128)
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_split_f16_64x64x64)
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_split_f16_128x64)
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_split_bf16_128x128)
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_split_bf16_64x64)
+
 }  // namespace kfuse::kernels::detail
