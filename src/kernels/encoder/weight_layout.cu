@@ -89,6 +89,23 @@ __global__ void __launch_bounds__(kThreads) grad_finalize_kernel(const GradJob* 
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs; i += stride) {
       const int64_t c = i % j.c, k = i / j.c;
       float* out = j.dst + i * rs_n;
+      if (rs_n == 9) {
+        // 3x3 filters (every job of the encoder): all nine loads first, then the stores. In the generic loop below
+        // the compiler cannot move a load above the previous store (dst might alias g), so each tap paid a full
+        // memory round trip.
+        float g[9], w[9];
+#pragma unroll
+        for (int rs = 0; rs < 9; ++rs) g[rs] = grad_at<T>(j, (k * 9 + rs) * j.c + c);
+        if (j.dot_w) {
+#pragma unroll
+          for (int rs = 0; rs < 9; ++rs) w[rs] = to_f<T>(static_cast<const T*>(j.dot_w)[(k * 9 + rs) * j.c + c]);
+#pragma unroll
+          for (int rs = 0; rs < 9; ++rs) dot += w[rs] * g[rs];
+        }
+#pragma unroll
+        for (int rs = 0; rs < 9; ++rs) out[rs] = alpha * g[rs];
+        continue;
+      }
       for (int64_t rs = 0; rs < rs_n; ++rs) {
         const int64_t gi = (k * rs_n + rs) * j.c + c;
         const float g = grad_at<T>(j, gi);
