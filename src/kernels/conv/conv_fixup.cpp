@@ -19,11 +19,12 @@ struct Instance {
 
 // nullptr for a (dtype, tile) without an instance, or an enum value outside the declared ones (e.g. cast from an
 // int).
-const Instance* find_instance(ConvDType dtype, ConvTile tile) {
+const Instance* find_instance(ConvDType dtype, ConvTile tile, bool parallel = false) {
   struct Entry {
     ConvDType dtype;
     ConvTile tile;
     Instance instance;
+    bool parallel = false;  // a parallel split-K instance (conv2d_fprop_fixup_parallel)
   };
   static const Entry kTable[] = {
       {ConvDType::kF16, ConvTile::k128x64, KFUSE_FIXUP_INSTANCE(fixup_f16_128x64)},
@@ -42,28 +43,16 @@ const Instance* find_instance(ConvDType dtype, ConvTile tile) {
       {ConvDType::kF16, ConvTile::kSm90_128x64_s4, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_128x64_s4)},
       {ConvDType::kF16, ConvTile::kSm90_128x128, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_128x128)},
       {ConvDType::kF16, ConvTile::kSm90_256x64, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_256x64)},
+      // Parallel split-K.
+      {ConvDType::kF16, ConvTile::k128x128, KFUSE_FIXUP_INSTANCE(fixup_split_f16_128x128), true},
+      {ConvDType::kF16, ConvTile::k64x128, KFUSE_FIXUP_INSTANCE(fixup_split_f16_64x128), true},
+      {ConvDType::kF16, ConvTile::k64x64x64, KFUSE_FIXUP_INSTANCE(fixup_split_f16_64x64x64), true},
+      {ConvDType::kF16, ConvTile::k128x64, KFUSE_FIXUP_INSTANCE(fixup_split_f16_128x64), true},
+      {ConvDType::kBF16, ConvTile::k128x128, KFUSE_FIXUP_INSTANCE(fixup_split_bf16_128x128), true},
+      {ConvDType::kBF16, ConvTile::k64x64, KFUSE_FIXUP_INSTANCE(fixup_split_bf16_64x64), true},
   };
   for (const Entry& e : kTable)
-    if (e.dtype == dtype && e.tile == tile) return &e.instance;
-  return nullptr;
-}
-
-const Instance* find_parallel_instance(ConvDType dtype, ConvTile tile) {
-  struct Entry {
-    ConvDType dtype;
-    ConvTile tile;
-    Instance instance;
-  };
-  static const Entry kTable[] = {
-      {ConvDType::kF16, ConvTile::k128x128, KFUSE_FIXUP_INSTANCE(fixup_split_f16_128x128)},
-      {ConvDType::kF16, ConvTile::k64x128, KFUSE_FIXUP_INSTANCE(fixup_split_f16_64x128)},
-      {ConvDType::kF16, ConvTile::k64x64x64, KFUSE_FIXUP_INSTANCE(fixup_split_f16_64x64x64)},
-      {ConvDType::kF16, ConvTile::k128x64, KFUSE_FIXUP_INSTANCE(fixup_split_f16_128x64)},
-      {ConvDType::kBF16, ConvTile::k128x128, KFUSE_FIXUP_INSTANCE(fixup_split_bf16_128x128)},
-      {ConvDType::kBF16, ConvTile::k64x64, KFUSE_FIXUP_INSTANCE(fixup_split_bf16_64x64)},
-  };
-  for (const Entry& e : kTable)
-    if (e.dtype == dtype && e.tile == tile) return &e.instance;
+    if (e.dtype == dtype && e.tile == tile && e.parallel == parallel) return &e.instance;
   return nullptr;
 }
 
@@ -92,20 +81,20 @@ cudaError_t conv2d_fprop_fixup(const Conv2dProblem& problem, ConvDType dtype, Co
 
 bool conv2d_fprop_fixup_parallel_can_implement(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile,
                                                 int split_k) {
-  const Instance* inst = find_parallel_instance(dtype, tile);
+  const Instance* inst = find_instance(dtype, tile, /*parallel=*/true);
   return inst != nullptr && inst->can_implement(problem, split_k);
 }
 
 size_t conv2d_fprop_fixup_parallel_workspace_bytes(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile,
                                                    int split_k) {
-  const Instance* inst = find_parallel_instance(dtype, tile);
+  const Instance* inst = find_instance(dtype, tile, /*parallel=*/true);
   return inst != nullptr ? inst->workspace_bytes(problem, split_k) : 0;
 }
 
 cudaError_t conv2d_fprop_fixup_parallel(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile, const void* x,
                                         const void* w, void* y, const FixupEpilogue& epilogue, int split_k,
                                         void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  const Instance* inst = find_parallel_instance(dtype, tile);
+  const Instance* inst = find_instance(dtype, tile, /*parallel=*/true);
   if (inst == nullptr) return cudaErrorInvalidValue;
   return inst->launch(problem, x, w, y, epilogue, split_k, workspace, workspace_bytes, stream);
 }

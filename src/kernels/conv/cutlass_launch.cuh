@@ -1,6 +1,7 @@
 // What every CUTLASS conv launcher of the FixUp family does around its kernel: the pointer alignment check, the
-// workspace check, initialize + run with CUTLASS failures turned into a CUDA error, and the macro that stamps out the
-// three plain functions of one instance (declared in fixup_instances.h).
+// workspace check, initialize + run with CUTLASS failures turned into a CUDA error, the launch without initialize()
+// for parallel split-K, and the macro that stamps out the three plain functions of one instance (declared in
+// fixup_instances.h).
 #pragma once
 
 #include <cstddef>
@@ -36,6 +37,26 @@ cudaError_t run_cutlass_op(const typename Op::Arguments& args, void* workspace, 
   if (op.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return diagnose_launch_failure(kernel);
   if (op.run(stream) != cutlass::Status::kSuccess) return diagnose_launch_failure(kernel);
   return cudaSuccess;
+}
+
+// Launches a CUTLASS 2.x implicit-GEMM conv kernel (`ConvKernel`, e.g. ImplicitGemmConvolution::UnderlyingKernel)
+// as ImplicitGemmConvolution::run does, but without its initialize(): for split_k > 1 that cudaMemsetAsync-s the
+// whole workspace to 0 (serial split-K's semaphores need it). Parallel split-K does not: the grid has a CTA for every
+// (M tile, N tile, slice), and each CTA's epilogue stores every in-range element of its tile (zeros where its K tiles
+// are all out of range), so every partial is overwritten in full and the memset would only add as many bytes of
+// traffic as the partials themselves. Also the plain launch of a split_k == 1 conv.
+template <class ConvKernel, class Arguments>
+cudaError_t run_conv_without_memset(const Arguments& args, cudaStream_t stream) {
+  const typename ConvKernel::Params params(args, /*semaphore=*/nullptr);  // read only by serial split-K
+  const dim3 grid = typename ConvKernel::ThreadblockSwizzle().get_grid_shape(params.grid_tiled_shape);
+  const dim3 block(ConvKernel::kThreadCount, 1, 1);
+  const int smem_bytes = int(sizeof(typename ConvKernel::SharedStorage));
+  if (smem_bytes >= (48 << 10) &&
+      cudaFuncSetAttribute(cutlass::Kernel<ConvKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) !=
+          cudaSuccess)
+    return diagnose_launch_failure(cutlass::Kernel<ConvKernel>);
+  cutlass::Kernel<ConvKernel><<<grid, block, smem_bytes, stream>>>(params);
+  return cudaGetLastError();  // also clears a launch error, as CUTLASS's run() does
 }
 
 }  // namespace kfuse::kernels::detail

@@ -83,23 +83,6 @@ struct FixupSplitConv {
     return Conv::get_workspace_size(make_arguments(make_problem_size(problem, split_k), nullptr, nullptr, nullptr));
   }
 
-  // Launches the conv kernel as ImplicitGemmConvolution::run does, but without initialize()'s cudaMemsetAsync of
-  // the workspace (serial split-K's semaphores need it; parallel split-K does not: every CTA's epilogue stores every
-  // in-range element of its tile, zeros where its K tiles are all out of range, so the partials are overwritten in
-  // full).
-  static cudaError_t run_conv(const typename Conv::Arguments& args, cudaStream_t stream) {
-    const typename ConvKernel::Params params(args, /*semaphore=*/nullptr);  // read only by serial split-K
-    const dim3 grid = typename ConvKernel::ThreadblockSwizzle().get_grid_shape(params.grid_tiled_shape);
-    const dim3 block(ConvKernel::kThreadCount, 1, 1);
-    const int smem_bytes = int(sizeof(typename ConvKernel::SharedStorage));
-    if (smem_bytes >= (48 << 10) &&
-        cudaFuncSetAttribute(cutlass::Kernel<ConvKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) !=
-            cudaSuccess)
-      return diagnose_launch_failure(cutlass::Kernel<ConvKernel>);
-    cutlass::Kernel<ConvKernel><<<grid, block, smem_bytes, stream>>>(params);
-    return cudaGetLastError();  // also clears a launch error, as CUTLASS's run() does
-  }
-
   static cudaError_t launch(const Conv2dProblem& problem, const void* x, const void* w, void* y,
                             const FixupEpilogue& epilogue, int split_k, void* workspace, size_t workspace_bytes,
                             cudaStream_t stream) {
@@ -110,7 +93,7 @@ struct FixupSplitConv {
     float* partials = static_cast<float*>(workspace);
     const auto args = make_arguments(ps, x, w, partials);
     if (workspace_bytes < Conv::get_workspace_size(args)) return cudaErrorInvalidValue;
-    if (const cudaError_t err = run_conv(args, stream); err != cudaSuccess) return err;
+    if (const cudaError_t err = run_conv_without_memset<ConvKernel>(args, stream); err != cudaSuccess) return err;
     const size_t count = size_t(ps.N) * ps.P * ps.Q * ps.K;
     return fixup_epilogue_reduce(partials, split_k, count, y, count,
                                  std::is_same_v<Element, cutlass::half_t> ? ConvDType::kF16 : ConvDType::kBF16,

@@ -113,24 +113,6 @@ struct WgradConv {
     return Conv::get_workspace_size(make_arguments(make_problem_size(problem, split_k), nullptr, nullptr, nullptr));
   }
 
-  // Launches the conv kernel as ImplicitGemmConvolution::run does, but without its initialize(): for split_k > 1
-  // that cudaMemsetAsync-s the whole workspace to 0 (serial split-K's semaphores need it). Parallel split-K does not:
-  // the grid has a CTA for every (M tile, N tile, slice), and each CTA's epilogue stores every in-range element of
-  // its tile (zeros where its K tiles are all past n*p*q), so every partial is overwritten in full and the memset
-  // would only add as many bytes of traffic as the partials themselves.
-  static cudaError_t run_conv(const typename Conv::Arguments& args, cudaStream_t stream) {
-    const typename ConvKernel::Params params(args, /*semaphore=*/nullptr);  // read only by serial split-K
-    const dim3 grid = typename ConvKernel::ThreadblockSwizzle().get_grid_shape(params.grid_tiled_shape);
-    const dim3 block(ConvKernel::kThreadCount, 1, 1);
-    const int smem_bytes = int(sizeof(typename ConvKernel::SharedStorage));
-    if (smem_bytes >= (48 << 10) &&
-        cudaFuncSetAttribute(cutlass::Kernel<ConvKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) !=
-            cudaSuccess)
-      return diagnose_launch_failure(cutlass::Kernel<ConvKernel>);
-    cutlass::Kernel<ConvKernel><<<grid, block, smem_bytes, stream>>>(params);
-    return cudaGetLastError();  // also clears a launch error, as CUTLASS's run() does
-  }
-
   static cudaError_t launch(const Conv2dProblem& problem, int split_k, const void* dy, const void* x, float* dw,
                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
     if (!can_implement(problem, split_k)) return cudaErrorInvalidValue;
@@ -139,14 +121,14 @@ struct WgradConv {
     if (!aligned16(dy) || !aligned16(x) || !aligned16(dw)) return cudaErrorInvalidValue;
 
     const auto ps = make_problem_size(problem, split_k);
-    if (split_k == 1) return run_conv(make_arguments(ps, dy, x, dw), stream);
+    if (split_k == 1) return run_conv_without_memset<ConvKernel>(make_arguments(ps, dy, x, dw), stream);
 
     // The partials are stored and reduced as 16-byte vectors as well.
     float* partials = static_cast<float*>(workspace);
     const auto args = make_arguments(ps, dy, x, partials);
     if (workspace == nullptr || !aligned16(workspace) || workspace_bytes < Conv::get_workspace_size(args))
       return cudaErrorInvalidValue;
-    if (const cudaError_t err = run_conv(args, stream); err != cudaSuccess) return err;
+    if (const cudaError_t err = run_conv_without_memset<ConvKernel>(args, stream); err != cudaSuccess) return err;
 
     const cutlass::MatrixCoord extent = reduction_extent(ps);
     const cutlass::layout::RowMajor rows(extent.column());
