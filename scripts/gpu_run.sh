@@ -7,8 +7,11 @@
 #      build-gpu/cache, fresh per run) and runs the benchmark (`kfuse bench`, results under bench/results/<device>/);
 #   4. prints a short table last. Logs and results go to $OUT/kfuse-results.tgz when $OUT is set.
 # Usage: bash scripts/gpu_run.sh [--no-bench] [--no-sanitize] [--no-tests] [--profile] [--exec "command"]
-#                                [-- extra kfuse bench arguments]
+#                                [--pytest "pytest arguments"] [--ab VAR=VALUE] [-- extra kfuse bench arguments]
 #   --exec: build, run the command (e.g. a diagnostic script) and stop.
+#   --pytest: which Python tests to run (default: tests/python, all of them).
+#   --ab: after the benchmark, time kfuse alone again with VAR=VALUE in its environment (an A/B switch such as
+#         KFUSE_PDL=0), same bench arguments, results in build-gpu/ab/.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -18,6 +21,8 @@ tests=1
 exec_cmd=""
 profile=0
 bench_args=()
+pytest_args=(tests/python)
+ab=""
 while (($#)); do
   case "$1" in
     --no-bench) bench=0 ;;
@@ -25,6 +30,8 @@ while (($#)); do
     --profile) profile=1 ;;
     --no-tests) tests=0 ;;
     --exec) shift; exec_cmd="$1" ;;
+    --pytest) shift; read -r -a pytest_args <<<"$1" ;;
+    --ab) shift; ab="$1" ;;
     --) shift; bench_args=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -92,7 +99,7 @@ for t in $( ((tests)) && ls .kfuse-dist/bin/test_*_gpu); do
   grep -E 'SKIPPED' "$logs/$name.log" | head -3
 done
 if ((tests)); then
-if "$py" -m pytest tests/python -q -p no:cacheprovider -rs >"$logs/pytest.log" 2>&1; then status[pytest]="ok: $(tail -1 "$logs/pytest.log")"
+if "$py" -m pytest "${pytest_args[@]}" -q -p no:cacheprovider -rs >"$logs/pytest.log" 2>&1; then status[pytest]="ok: $(tail -1 "$logs/pytest.log")"
 else status[pytest]="FAILED: $(tail -1 "$logs/pytest.log")"; grep -E '^(FAILED|ERROR)' "$logs/pytest.log" | head -20; fi
 fi
 
@@ -145,6 +152,11 @@ fi
 if ((bench)); then
   if "$py" -m kfuse bench --out bench/results "${bench_args[@]}" 2>&1 | tee "$logs/bench.log"; then status[bench]="ok"
   else status[bench]="FAILED"; fi
+  if [[ -n "$ab" ]]; then
+    if env "$ab" "$py" -m kfuse bench --out build-gpu/ab "${bench_args[@]}" --impl kfuse 2>&1 |
+         tee "$logs/bench-ab.log"; then status[bench-ab]="ok ($ab: build-gpu/logs/bench-ab.log)"
+    else status[bench-ab]="FAILED"; fi
+  fi
 fi
 
 if [[ -n "${OUT:-}" ]]; then

@@ -366,7 +366,8 @@ NB_MODULE(_C, m) {
            "stash"_a, "x"_a, "dy"_a, "grads"_a, "dx"_a.none(), "stream"_a,
            "Every parameter's gradient (flat float32, param_specs order) and optionally dL/dx")
       .def("set_use_graphs", &EncoderGpu::set_use_graphs, "on"_a)
-      .def_prop_ro("graph_count", &EncoderGpu::graph_count);
+      .def_prop_ro("graph_count", &EncoderGpu::graph_count)
+      .def_prop_ro("uses_programmatic_launch", &EncoderGpu::uses_programmatic_launch);
 #endif
 
   bind_mlp(m);

@@ -6,7 +6,58 @@
 #include "kfuse/device.h"
 #include "runtime/encoder_gpu_impl.h"
 
+#include <cstdio>
+#include <exception>
+#include <string>
+
 namespace kfuse {
+
+namespace {
+
+// Captures the forward for (g, stem, tail) on a private stream (the caller's stream never sees a capture in
+// progress) and instantiates it into `out`, its stem and tail nodes found. Returns "" or why it failed.
+std::string capture_forward(EncoderGpu::Impl& m, const Geometry& g, const kernels::StemArgs& stem,
+                            const kernels::SqueezeExciteArgs& tail, Graph& out) {
+  cudaStream_t cs = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaGraph_t graph = nullptr;
+  if (const cudaError_t e = cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal); e != cudaSuccess) {
+    cudaStreamDestroy(cs);
+    return std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(e);
+  }
+  EncoderGpu::Impl::CapturedEnds ends;
+  std::string why;
+  try {
+    m.launch(g, stem, tail, cs, &ends);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  const cudaError_t end = cudaStreamEndCapture(cs, &graph);
+  cudaStreamDestroy(cs);
+  (void)cudaGetLastError();  // a failed capture's error is reported through `why`, not left behind
+  if (why.empty() && end != cudaSuccess) why = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
+  if (why.empty() && (!ends.stem || !ends.tail)) why = "unexpected graph shape (no unique first and last kernel)";
+  if (why.empty()) {
+    if (const cudaError_t e = cudaGraphInstantiate(&out.exec, graph, 0); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      why = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(e);
+      out.exec = nullptr;
+    }
+  }
+  if (!why.empty()) {
+    if (graph) cudaGraphDestroy(graph);
+    return why;
+  }
+  // Kept: the stem's and the tail's parameters are read back from it when the caller's pointers move.
+  out.graph = graph;
+  out.stem = ends.stem;
+  out.tail = ends.tail;
+  out.stem_args = stem;
+  out.tail_args = tail;
+  return "";
+}
+
+}  // namespace
 
 EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int device) : impl_(new Impl) {
   config.validate();
@@ -24,6 +75,7 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
   m.kpad = (16 * config.in_channels + 63) / 64 * 64;
   m.sm_count = info.sm_count;
   m.tuning_mode = tuning_mode_from_env();
+  m.use_pdl = kernels::pdl_supported(device);
   m.layout = plan_weights(config, m.blocks, m.kpad);
   m.stem_w = m.layout.stem_w;
   m.bw = m.layout.blocks;
@@ -66,6 +118,7 @@ std::vector<OpTuningReport> EncoderGpu::tune(int n, int h, int w, TuningMode mod
 
 void EncoderGpu::set_use_graphs(bool on) { impl_->use_graphs = on; }
 size_t EncoderGpu::graph_count() const { return impl_->graphs.size() + impl_->train_graphs.graph_count(); }
+bool EncoderGpu::uses_programmatic_launch() const { return impl_->use_pdl; }
 
 void EncoderGpu::set_weights(const EncoderParams<float>& params) {
   Impl& m = *impl_;
@@ -157,49 +210,16 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
     return;
   }
   if (it == m.graphs.end()) {
-    // Capture on a private stream, so that the caller's stream never sees a capture in progress.
-    cudaStream_t cs;
-    check_cuda(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreate");
-    cudaGraph_t graph = nullptr;
-    check_cuda(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-    try {
-      m.launch(g, stem, tail, cs);
-    } catch (...) {
-      cudaStreamEndCapture(cs, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      cudaStreamDestroy(cs);
-      throw;
-    }
-    check_cuda(cudaStreamEndCapture(cs, &graph), "cudaStreamEndCapture");
-    cudaStreamDestroy(cs);
     Graph gr;
-    gr.stem_args = stem;
-    gr.tail_args = tail;
-    // The stem is the graph's only root kernel and the last squeeze-excite its only leaf: their parameters are the
-    // ones that carry the caller's pointers.
-    size_t count = 0;
-    check_cuda(cudaGraphGetNodes(graph, nullptr, &count), "cudaGraphGetNodes");
-    std::vector<cudaGraphNode_t> nodes(count);
-    check_cuda(cudaGraphGetNodes(graph, nodes.data(), &count), "cudaGraphGetNodes");
-    for (cudaGraphNode_t node : nodes) {
-      cudaGraphNodeType type;
-      cudaGraphNodeGetType(node, &type);
-      if (type != cudaGraphNodeTypeKernel) continue;
-      size_t deps = 0, dependents = 0;
-      cudaGraphNodeGetDependencies(node, nullptr, nullptr, &deps);
-      cudaGraphNodeGetDependentNodes(node, nullptr, nullptr, &dependents);
-      if (deps == 0) gr.stem = node;
-      if (dependents == 0) gr.tail = node;
+    std::string why = capture_forward(m, g, stem, tail, gr);
+    if (!why.empty() && m.use_pdl) {
+      // A driver that refuses programmatic edges in a capture: capture without them from now on.
+      std::fprintf(stderr, "[kfuse] warning: capturing the forward with programmatic dependent launch failed (%s); "
+                           "capturing without it\n", why.c_str());
+      m.use_pdl = false;
+      why = capture_forward(m, g, stem, tail, gr);
     }
-    if (!gr.stem || !gr.tail) {
-      cudaGraphDestroy(graph);
-      throw Error("kfuse: unexpected graph shape (no unique first and last kernel)");
-    }
-    gr.graph = graph;
-    if (cudaError_t e = cudaGraphInstantiate(&gr.exec, graph, 0); e != cudaSuccess) {
-      cudaGraphDestroy(graph);
-      check_cuda(e, "cudaGraphInstantiate");
-    }
+    if (!why.empty()) throw Error("kfuse: capturing the forward as a CUDA graph failed: " + why);
     it = m.graphs.emplace(key, gr).first;
   }
   Graph& gr = it->second;

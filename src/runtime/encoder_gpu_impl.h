@@ -13,6 +13,7 @@
 
 #include "kernels/conv/conv_fixup.h"
 #include "kernels/encoder/encoder_kernels.h"
+#include "kernels/programmatic_launch.h"
 #include "kfuse/encoder_gpu.h"
 #include "kfuse/error.h"
 #include "runtime/conv_selection.h"
@@ -188,6 +189,9 @@ struct EncoderGpu::Impl {
   float* input_affine = nullptr;  // [2][C]: scale then shift
   bool use_affine = false;
   bool use_graphs = true;
+  // Programmatic dependent launch between the forward's kernels (kernels/programmatic_launch.h): on where the device
+  // supports it (compute capability 9.0+) unless KFUSE_PDL=0; turned off for good if a capture with it fails.
+  bool use_pdl = false;
   std::map<Geometry, Activations> activations;
   std::map<GraphKey, Graph> graphs;
   std::set<GraphKey> graph_warm;  // kinds of call run once eagerly (captured from their second call)
@@ -441,15 +445,53 @@ struct EncoderGpu::Impl {
     if (capture == cudaStreamCaptureStatusNone) tune(g, tuning_mode, nullptr);
   }
 
+  // Whether any convolution of geometry g runs through cuDNN, whose launches (a memset, several kernels) kfuse does
+  // not see: then no launch of the forward is programmatic.
+  bool any_cudnn(const Geometry& g) const {
+    int h = g.h / 4, w = g.w / 4;
+    for (const auto& b : blocks) {
+      const auto probs = problems(b, g.n, h, w);
+      for (size_t j = 0; j < probs.size(); ++j)
+        if (choose(probs[j], j == 0).is_cudnn()) return true;
+      h /= b.stride;
+      w /= b.stride;
+    }
+    return false;
+  }
+
+  // The graph nodes that carry the caller's pointers: the stem (the graph's only root) and the last squeeze-excite
+  // (its only leaf), taken from the capture as they are launched.
+  struct CapturedEnds {
+    cudaGraphNode_t stem = nullptr, tail = nullptr;
+  };
+  // The node just captured on `stream` (null when it is not capturing or the last operation left several).
+  static cudaGraphNode_t last_captured_node(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaGraphNode_t* nodes = nullptr;
+    const cudaGraphEdgeData* edges = nullptr;  // asked for: without it, programmatic edges make the query fail
+    size_t count = 0;
+    check_cuda(cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &nodes, &edges, &count),
+               "cudaStreamGetCaptureInfo");
+    return status == cudaStreamCaptureStatusActive && count == 1 ? nodes[0] : nullptr;
+  }
+
   // Launches the whole forward on `stream` (also used under stream capture).
   void launch(const Geometry& g, const kernels::StemArgs& stem_args, kernels::SqueezeExciteArgs tail,
-              cudaStream_t stream) {
-    launch(g, buffers(g), stem_args, tail, stream);
+              cudaStream_t stream, CapturedEnds* ends = nullptr) {
+    launch(g, buffers(g), stem_args, tail, stream, ends);
   }
   // The same on the buffers `act` (the training step's, which also keep every block's output in act.y).
+  //
+  // Programmatic dependent launch: every kernel after the stem that follows exactly one kfuse kernel on `stream`
+  // launches early and waits on the device (the kernels keep the contract of kernels/programmatic_launch.h). Not the
+  // shortcut, which starts a side branch from an event, nor the squeeze-excite that joins it: a programmatic edge
+  // joins one kernel to the next in a stream, and an event wait has no kernel of its own.
   void launch(const Geometry& g, Activations& act, const kernels::StemArgs& stem_args,
-              kernels::SqueezeExciteArgs tail, cudaStream_t stream) {
+              kernels::SqueezeExciteArgs tail, cudaStream_t stream, CapturedEnds* ends = nullptr) {
     check_cuda(kernels::launch_stem(stem_args, dtype, stream), "stem kernel");
+    if (ends) ends->stem = last_captured_node(stream);
+    const bool chain = use_pdl && !any_cudnn(g);
+    kernels::PdlScope programmatic(chain);
     int h = g.h / 4, w = g.w / 4;
     for (size_t i = 0; i < blocks.size(); ++i) {
       const auto& b = blocks[i];
@@ -457,6 +499,7 @@ struct EncoderGpu::Impl {
       const float* s = fptr(W.scalars);
       const auto probs = problems(b, g.n, h, w);
       if (b.has_downsample) {  // fork: the shortcut needs only a[i], like conv1
+        kernels::PdlScope off(false);
         ensure_side_stream();
         check_cuda(cudaEventRecord(fork_events[i], stream), "cudaEventRecord");
         check_cuda(cudaStreamWaitEvent(side, fork_events[i], 0), "cudaStreamWaitEvent");
@@ -491,10 +534,14 @@ struct EncoderGpu::Impl {
         if (!blocks[i + 1].has_downsample) se.y = act.x[i + 1];
       }
       if (!act.y.empty()) se.y = act.y[i];
-      check_cuda(kernels::launch_squeeze_excite(se, dtype, stream), "squeeze-excite kernel");
+      {
+        kernels::PdlScope join(chain && !b.has_downsample);
+        check_cuda(kernels::launch_squeeze_excite(se, dtype, stream), "squeeze-excite kernel");
+      }
       h /= b.stride;
       w /= b.stride;
     }
+    if (ends) ends->tail = last_captured_node(stream);
   }
 };
 

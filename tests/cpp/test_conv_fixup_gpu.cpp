@@ -4,6 +4,7 @@
 // Hopper (kSm90) tiles, which run split_k 1 only. The parallel split-K launchers (conv2d_fprop_fixup_parallel: fp32
 // partials, then the reduction pass with the epilogue) run the same cases with split_k >= 2.
 #include "kernels/conv/conv_fixup.h"
+#include "kernels/programmatic_launch.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -12,8 +13,10 @@
 
 #include "conv_reference.h"
 #include "gpu_test_support.h"
+#include "kernels/timing/gpu_delay.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <ostream>
@@ -264,6 +267,122 @@ INSTANTIATE_TEST_SUITE_P(Kernels, ConvFixupGpuTest, ::testing::ValuesIn(all_gpu_
                            return std::string(info.param.variant->name) + "_" + info.param.conv.name +
                                   (info.param.relu ? "_relu" : "_identity");
                          });
+
+// ---- programmatic dependent launch (kernels/programmatic_launch.h) ----------------------------------------------
+
+// Three dependent convolutions x -> y1 -> y2 -> y3 on one stream, behind a 200 us delay kernel (so that every launch
+// is queued while its predecessor still runs), each output poisoned first. Under a PdlScope each conv may start
+// before the previous one ends: a kernel that touched its input before griddepcontrol.wait would read poison or a
+// partial result. Returns y1 and y3.
+void run_chain(const Variant& v, const Conv2dProblem& p, int split_k, const std::vector<uint16_t>& x,
+               const std::vector<uint16_t>& w, const FixupEpilogue& e, bool programmatic, std::vector<uint16_t>* y1,
+               std::vector<uint16_t>* y3) {
+  const std::vector<uint16_t> poison(grad_elems(p), nan_bits(v.dtype));
+  DeviceBuffer dx, dw, dy[3], ws;
+  ASSERT_EQ(dx.alloc(x.size() * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(dw.alloc(w.size() * sizeof(uint16_t)), cudaSuccess);
+  for (auto& d : dy) {
+    ASSERT_EQ(d.alloc(poison.size() * sizeof(uint16_t)), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d.ptr, poison.data(), d.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ASSERT_EQ(ws.alloc(workspace_bytes(v, p, split_k)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dx.ptr, x.data(), dx.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw.ptr, w.data(), dw.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  StreamGuard stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(kfuse::kernels::launch_gpu_delay(stream.stream, 200), cudaSuccess);
+  {
+    kfuse::kernels::PdlScope scope(programmatic);
+    const void* in = dx.ptr;
+    for (auto& d : dy) {
+      ASSERT_EQ(launch(v, p, in, dw.ptr, d.ptr, e, split_k, ws.ptr, ws.bytes, stream.stream), cudaSuccess);
+      in = d.ptr;
+    }
+  }
+  ASSERT_EQ(cudaStreamSynchronize(stream.stream), cudaSuccess);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  y1->assign(poison.size(), 0);
+  y3->assign(poison.size(), 0);
+  ASSERT_EQ(cudaMemcpy(y1->data(), dy[0].ptr, dy[0].bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(y3->data(), dy[2].ptr, dy[2].bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+}
+
+class ConvFixupProgrammaticTest : public ::testing::TestWithParam<const Variant*> {};
+
+// The chain with programmatic launches gives the bits of the chain without them (serial split-K included: its
+// semaphore memset makes that conv launch normally), and its first output matches the float64 reference.
+TEST_P(ConvFixupProgrammaticTest, ChainGivesTheSameBits) {
+  const Variant& v = *GetParam();
+  if (const std::string why = device_skip_reason(v); !why.empty()) GTEST_SKIP() << why;
+  // 64 -> 64 channels keeps the chain's shapes equal; 8 images of 16x16 give every tile a few CTAs.
+  const Conv2dProblem p = make_problem(8, 16, 16, 64, 64, 3, 3, 1, 1);
+  for (int split_k : {1, 2, 3}) {
+    if (!can_implement(v, p, split_k)) continue;  // sm90: split_k 1 only; parallel: >= 2
+    const std::string test_name = std::string(v.name) + "/pdl_chain/split" + std::to_string(split_k);
+    const uint32_t seed = seed_for(test_name);
+    SCOPED_TRACE(test_name + " seed=" + std::to_string(seed));
+    std::mt19937 rng(seed);
+    const std::vector<uint16_t> x = random_nonzero_bits(act_elems(p), v.dtype, rng);
+    // Small weights keep the three chained outputs in range: |conv| ~ sqrt(576) * 0.05 * |in|.
+    const std::vector<uint16_t> w = random_nonzero_bits(filter_elems(p), v.dtype, rng, -0.05f, 0.05f);
+    const float scalars[3] = {1.25f, 0.125f, -0.5f};
+    DeviceBuffer dscalars;
+    ASSERT_EQ(dscalars.alloc(sizeof(scalars)), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dscalars.ptr, scalars, sizeof(scalars), cudaMemcpyHostToDevice), cudaSuccess);
+    const FixupEpilogue e{dscalars.as<float>(), dscalars.as<float>() + 1, dscalars.as<float>() + 2, true};
+
+    std::vector<uint16_t> plain1, plain3, pdl1, pdl3;
+    ASSERT_NO_FATAL_FAILURE(run_chain(v, p, split_k, x, w, e, false, &plain1, &plain3));
+    ASSERT_NO_FATAL_FAILURE(run_chain(v, p, split_k, x, w, e, true, &pdl1, &pdl3));
+    EXPECT_EQ(pdl1, plain1);
+    EXPECT_EQ(pdl3, plain3);
+    const Comparison c = compare(plain1, kfuse::testing::reference_fprop_fixup(p, x, w, v.dtype, scalars[0],
+                                                                              scalars[1], scalars[2], true),
+                                 v.dtype);
+    EXPECT_EQ(c.nan_count, 0u);
+    ASSERT_GT(c.ref_norm2, 0.0);
+    EXPECT_LE(c.rel, 1e-2);
+    size_t nan3 = 0;
+    for (uint16_t b : plain3) nan3 += std::isnan(bits_to_float(b, v.dtype)) ? 1 : 0;
+    EXPECT_EQ(nan3, 0u) << "the chain's last output has NaNs (poison left or overflow)";
+  }
+}
+
+std::vector<const Variant*> all_variants() {
+  std::vector<const Variant*> out;
+  for (const Variant& v : kVariants) out.push_back(&v);
+  for (const Variant& v : kSm90Variants) out.push_back(&v);
+  for (const Variant& v : kParallelVariants) out.push_back(&v);
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, ConvFixupProgrammaticTest, ::testing::ValuesIn(all_variants()),
+                         [](const ::testing::TestParamInfo<const Variant*>& info) { return info.param->name; });
+
+// Host only: the scope nests and restores; KFUSE_PDL=0 turns the feature off whatever the device.
+TEST(ProgrammaticLaunch, ScopeNestsAndEnvironmentTurnsItOff) {
+  EXPECT_FALSE(kfuse::kernels::pdl_requested());
+  {
+    kfuse::kernels::PdlScope on(true);
+    EXPECT_TRUE(kfuse::kernels::pdl_requested());
+    {
+      kfuse::kernels::PdlScope off(false);
+      EXPECT_FALSE(kfuse::kernels::pdl_requested());
+    }
+    EXPECT_TRUE(kfuse::kernels::pdl_requested());
+  }
+  EXPECT_FALSE(kfuse::kernels::pdl_requested());
+  const char* old = std::getenv("KFUSE_PDL");
+  const std::string saved = old ? old : "";
+  setenv("KFUSE_PDL", "0", 1);
+  EXPECT_FALSE(kfuse::kernels::pdl_supported(0));
+  if (old) setenv("KFUSE_PDL", saved.c_str(), 1); else unsetenv("KFUSE_PDL");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    EXPECT_FALSE(kfuse::kernels::pdl_supported(0)) << "no device: no programmatic launch";
+  }
+}
 
 // ---- nullptr scalars mean alpha = 1, pre = 0, post = 0 ---------------------------------------------------------
 

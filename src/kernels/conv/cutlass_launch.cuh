@@ -1,7 +1,7 @@
 // What every CUTLASS conv launcher of the FixUp family does around its kernel: the pointer alignment check, the
-// workspace check, initialize + run with CUTLASS failures turned into a CUDA error, the launch without initialize()
-// for parallel split-K, and the macro that stamps out the three plain functions of one instance (declared in
-// fixup_instances.h).
+// workspace check, initialize + run with CUTLASS failures turned into a CUDA error, the CUTLASS 2.x conv launch
+// through kfuse's own kernel wrapper (programmatic dependent launch, kernels/programmatic_launch.h), and the macro
+// that stamps out the three plain functions of one instance (declared in fixup_instances.h).
 #pragma once
 
 #include <cstddef>
@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "cutlass/cutlass.h"
+#include "kernels/programmatic_launch.h"
 
 namespace kfuse::kernels::detail {
 
@@ -39,24 +40,42 @@ cudaError_t run_cutlass_op(const typename Op::Arguments& args, void* workspace, 
   return cudaSuccess;
 }
 
+// CUTLASS 2.x's cutlass::Kernel, plus the programmatic-launch contract of kernels/programmatic_launch.h: wait for
+// the predecessor before touching memory, then let the successor's CTAs in.
+template <class Operator>
+__global__ void pdl_cutlass_kernel(typename Operator::Params params) {
+  extern __shared__ int shared_storage_base[];
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
+  Operator op;
+  op(params, *reinterpret_cast<typename Operator::SharedStorage*>(shared_storage_base));
+}
+
 // Launches a CUTLASS 2.x implicit-GEMM conv kernel (`ConvKernel`, e.g. ImplicitGemmConvolution::UnderlyingKernel)
-// as ImplicitGemmConvolution::run does, but without its initialize(): for split_k > 1 that cudaMemsetAsync-s the
-// whole workspace to 0 (serial split-K's semaphores need it). Parallel split-K does not: the grid has a CTA for every
-// (M tile, N tile, slice), and each CTA's epilogue stores every in-range element of its tile (zeros where its K tiles
-// are all out of range), so every partial is overwritten in full and the memset would only add as many bytes of
-// traffic as the partials themselves. Also the plain launch of a split_k == 1 conv.
+// as ImplicitGemmConvolution::initialize + run do, through pdl_cutlass_kernel.
+// - `semaphores` (serial split-K only, else null): `semaphore_bytes` of them are zeroed first with
+//   cudaMemsetAsync, as initialize() does; the kernel then follows a memset, so it never launches early.
+// - Parallel split-K needs no memset: the grid has a CTA for every (M tile, N tile, slice), and each CTA's epilogue
+//   stores every in-range element of its tile (zeros where its K tiles are all out of range), so every partial is
+//   overwritten in full.
 template <class ConvKernel, class Arguments>
-cudaError_t run_conv_without_memset(const Arguments& args, cudaStream_t stream) {
-  const typename ConvKernel::Params params(args, /*semaphore=*/nullptr);  // read only by serial split-K
+cudaError_t launch_conv_kernel(const Arguments& args, int* semaphores, size_t semaphore_bytes, cudaStream_t stream) {
+  if (semaphores != nullptr && semaphore_bytes > 0) {
+    if (const cudaError_t err = cudaMemsetAsync(semaphores, 0, semaphore_bytes, stream); err != cudaSuccess)
+      return err;
+  }
+  const typename ConvKernel::Params params(args, semaphores);
   const dim3 grid = typename ConvKernel::ThreadblockSwizzle().get_grid_shape(params.grid_tiled_shape);
   const dim3 block(ConvKernel::kThreadCount, 1, 1);
   const int smem_bytes = int(sizeof(typename ConvKernel::SharedStorage));
   if (smem_bytes >= (48 << 10) &&
-      cudaFuncSetAttribute(cutlass::Kernel<ConvKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) !=
-          cudaSuccess)
-    return diagnose_launch_failure(cutlass::Kernel<ConvKernel>);
-  cutlass::Kernel<ConvKernel><<<grid, block, smem_bytes, stream>>>(params);
-  return cudaGetLastError();  // also clears a launch error, as CUTLASS's run() does
+      cudaFuncSetAttribute(pdl_cutlass_kernel<ConvKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           smem_bytes) != cudaSuccess)
+    return diagnose_launch_failure(pdl_cutlass_kernel<ConvKernel>);
+  const cudaError_t err = launch_kernel(pdl_cutlass_kernel<ConvKernel>, grid, block, size_t(smem_bytes), stream,
+                                        /*allow=*/semaphores == nullptr, params);
+  (void)cudaGetLastError();  // clear a launch error, as CUTLASS's run() does; it is returned
+  return err;
 }
 
 }  // namespace kfuse::kernels::detail

@@ -89,9 +89,12 @@ struct FixupConv {
     if (!aligned16(x) || !aligned16(w) || !aligned16(y)) return cudaErrorInvalidValue;
 
     const auto args = make_arguments(make_problem_size(problem, split_k), x, w, y, epilogue);
-    // initialize() zeroes the split-K semaphores, if any, with cudaMemsetAsync on `stream`.
-    return run_cutlass_op<Conv>(args, workspace, workspace_bytes, stream,
-                                cutlass::Kernel<typename Conv::UnderlyingKernel>);
+    // Serial split-K: the semaphores in the workspace are zeroed first (cudaMemsetAsync on `stream`).
+    const size_t semaphore_bytes = Conv::get_workspace_size(args);
+    if (semaphore_bytes > 0 && (workspace == nullptr || workspace_bytes < semaphore_bytes))
+      return cudaErrorInvalidValue;
+    return launch_conv_kernel<typename Conv::UnderlyingKernel>(
+        args, semaphore_bytes > 0 ? static_cast<int*>(workspace) : nullptr, semaphore_bytes, stream);
   }
 };
 

@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/encoder/numeric.cuh"
+#include "kernels/programmatic_launch.h"
 
 namespace kfuse::kernels {
 namespace {
@@ -56,6 +57,8 @@ struct EpilogueScalars {
 template <class T>
 __global__ void __launch_bounds__(256) fixup_epilogue_kernel(uint4* y, size_t vecs, const float* alpha_p,
                                                              const float* pre_p, const float* post_p, bool relu) {
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
   const EpilogueScalars<T> e(alpha_p, pre_p, post_p, relu);
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < vecs; i += size_t(gridDim.x) * blockDim.x) {
     const uint4 in = y[i];
@@ -73,6 +76,8 @@ __global__ void __launch_bounds__(256) fixup_epilogue_reduce_kernel(const float4
                                                                     size_t slice_vecs4, uint4* y, size_t vecs,
                                                                     const float* alpha_p, const float* pre_p,
                                                                     const float* post_p, bool relu) {
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
   const EpilogueScalars<T> e(alpha_p, pre_p, post_p, relu);
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < vecs; i += size_t(gridDim.x) * blockDim.x) {
     float4 a = partials[2 * i], b = partials[2 * i + 1];
@@ -103,13 +108,15 @@ cudaError_t fixup_epilogue_inplace(void* y, size_t count, ConvDType dtype, const
   const size_t vecs = count / 8;
   if (vecs == 0) return cudaSuccess;
   const unsigned blocks = grid_for(vecs);
-  if (dtype == ConvDType::kF16)
-    fixup_epilogue_kernel<__half><<<blocks, 256, 0, stream>>>(static_cast<uint4*>(y), vecs, e.alpha, e.pre, e.post,
-                                                              e.relu);
-  else
-    fixup_epilogue_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(static_cast<uint4*>(y), vecs, e.alpha, e.pre,
-                                                                     e.post, e.relu);
-  return cudaGetLastError();
+  auto* y4 = static_cast<uint4*>(y);
+  const cudaError_t err =
+      dtype == ConvDType::kF16
+          ? launch_kernel(fixup_epilogue_kernel<__half>, blocks, 256, 0, stream, true, y4, vecs, e.alpha, e.pre,
+                          e.post, e.relu)
+          : launch_kernel(fixup_epilogue_kernel<__nv_bfloat16>, blocks, 256, 0, stream, true, y4, vecs, e.alpha,
+                          e.pre, e.post, e.relu);
+  (void)cudaGetLastError();
+  return err;
 }
 
 cudaError_t fixup_epilogue_reduce(const float* partials, int slices, size_t slice_stride, void* y, size_t count,
@@ -121,15 +128,16 @@ cudaError_t fixup_epilogue_reduce(const float* partials, int slices, size_t slic
   if (vecs == 0) return cudaSuccess;
   const unsigned blocks = grid_for(vecs);
   const auto* p4 = reinterpret_cast<const float4*>(partials);
-  if (dtype == ConvDType::kF16)
-    fixup_epilogue_reduce_kernel<__half><<<blocks, 256, 0, stream>>>(p4, slices, slice_stride / 4,
-                                                                     static_cast<uint4*>(y), vecs, e.alpha, e.pre,
-                                                                     e.post, e.relu);
-  else
-    fixup_epilogue_reduce_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(p4, slices, slice_stride / 4,
-                                                                            static_cast<uint4*>(y), vecs, e.alpha,
-                                                                            e.pre, e.post, e.relu);
-  return cudaGetLastError();
+  auto* y4 = static_cast<uint4*>(y);
+  const size_t stride4 = slice_stride / 4;
+  const cudaError_t err =
+      dtype == ConvDType::kF16
+          ? launch_kernel(fixup_epilogue_reduce_kernel<__half>, blocks, 256, 0, stream, true, p4, slices, stride4, y4,
+                          vecs, e.alpha, e.pre, e.post, e.relu)
+          : launch_kernel(fixup_epilogue_reduce_kernel<__nv_bfloat16>, blocks, 256, 0, stream, true, p4, slices,
+                          stride4, y4, vecs, e.alpha, e.pre, e.post, e.relu);
+  (void)cudaGetLastError();
+  return err;
 }
 
 }  // namespace kfuse::kernels

@@ -28,6 +28,7 @@
 #include "kernels/conv/conv_fixup.h"
 #include "kernels/conv/cutlass_launch.cuh"
 #include "kernels/conv/fixup_instances.h"
+#include "kernels/programmatic_launch.h"
 
 namespace kfuse::kernels::detail::fixup_sm90_impl {
 
@@ -71,6 +72,57 @@ struct PlusKeepActive<cutlass::Array<T, N>> {
     return out;
   }
 };
+
+// cutlass::device_kernel (the CUTLASS 3.x kernel entry: launch bounds, TMA descriptors in __grid_constant__
+// parameters) plus the programmatic-launch contract of kernels/programmatic_launch.h. CUTLASS 4.2's sm90 conv kernel
+// has no grid-dependency control of its own, so the wait comes before any of its work.
+template <class Operator>
+__global__ void __launch_bounds__(Operator::MaxThreadsPerBlock, Operator::MinBlocksPerMultiprocessor)
+    pdl_device_kernel(CUTLASS_GRID_CONSTANT typename Operator::Params const params) {
+  extern __shared__ char smem[];
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
+  Operator op;
+  op(params, smem);
+}
+
+// ConvUniversalAdapter::initialize + run for a kernel that needs no workspace, through pdl_device_kernel: a cluster
+// launch where the cluster shape has more than one CTA, with the programmatic attribute when pdl_requested().
+template <class ConvKernel>
+cudaError_t launch_sm90_conv_kernel(const typename ConvKernel::Arguments& args, cudaStream_t stream) {
+  if (ConvKernel::get_workspace_size(args) != 0) return cudaErrorInvalidValue;  // none of the FixUp tiles needs one
+  const typename ConvKernel::Params params = ConvKernel::to_underlying_arguments(args, nullptr);
+  const auto kernel = pdl_device_kernel<ConvKernel>;
+  const int smem_bytes = ConvKernel::SharedStorageSize;
+  if (smem_bytes >= (48 << 10) &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
+    return diagnose_launch_failure(kernel);
+  using Cluster = typename ConvKernel::DispatchPolicy::ClusterShape;
+  cudaLaunchAttribute attrs[2];
+  unsigned count = 0;
+  if (cute::size(Cluster{}) > 1) {
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count].val.clusterDim.x = unsigned(cute::size<0>(Cluster{}));
+    attrs[count].val.clusterDim.y = unsigned(cute::size<1>(Cluster{}));
+    attrs[count].val.clusterDim.z = unsigned(cute::size<2>(Cluster{}));
+    ++count;
+  }
+  if (pdl_requested()) {
+    attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = ConvKernel::get_grid_shape(params);
+  config.blockDim = ConvKernel::get_block_shape();
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.stream = stream;
+  config.attrs = attrs;
+  config.numAttrs = count;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, params);
+  (void)cudaGetLastError();  // returned, not left behind
+  return err;
+}
 
 // Checks CUTLASS's can_implement does not make: TMA im2col element strides are limited to 8, and p()/q() must be
 // positive (CUTLASS would otherwise see empty or negative extents).
@@ -214,8 +266,9 @@ struct FixupConvSm90 {
 
     const auto args = make_arguments(make_problem_shape(problem), x, w, y, epilogue);
     if (Conv::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-    // initialize() zeroes the split-K semaphores, if any, with cudaMemsetAsync on `stream`.
-    return run_cutlass_op<Conv>(args, workspace, workspace_bytes, stream, cutlass::device_kernel<ConvKernel>);
+    (void)workspace;  // workspace_bytes() is 0 for every tile (launch_sm90_conv_kernel checks)
+    (void)workspace_bytes;
+    return launch_sm90_conv_kernel<ConvKernel>(args, stream);
   }
 };
 

@@ -93,7 +93,7 @@ struct FixupSplitConv {
     float* partials = static_cast<float*>(workspace);
     const auto args = make_arguments(ps, x, w, partials);
     if (workspace_bytes < Conv::get_workspace_size(args)) return cudaErrorInvalidValue;
-    if (const cudaError_t err = run_conv_without_memset<ConvKernel>(args, stream); err != cudaSuccess) return err;
+    if (const cudaError_t err = launch_conv_kernel<ConvKernel>(args, nullptr, 0, stream); err != cudaSuccess) return err;
     const size_t count = size_t(ps.N) * ps.P * ps.Q * ps.K;
     return fixup_epilogue_reduce(partials, split_k, count, y, count,
                                  std::is_same_v<Element, cutlass::half_t> ? ConvDType::kF16 : ConvDType::kBF16,

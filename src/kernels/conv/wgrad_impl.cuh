@@ -121,14 +121,14 @@ struct WgradConv {
     if (!aligned16(dy) || !aligned16(x) || !aligned16(dw)) return cudaErrorInvalidValue;
 
     const auto ps = make_problem_size(problem, split_k);
-    if (split_k == 1) return run_conv_without_memset<ConvKernel>(make_arguments(ps, dy, x, dw), stream);
+    if (split_k == 1) return launch_conv_kernel<ConvKernel>(make_arguments(ps, dy, x, dw), nullptr, 0, stream);
 
     // The partials are stored and reduced as 16-byte vectors as well.
     float* partials = static_cast<float*>(workspace);
     const auto args = make_arguments(ps, dy, x, partials);
     if (workspace == nullptr || !aligned16(workspace) || workspace_bytes < Conv::get_workspace_size(args))
       return cudaErrorInvalidValue;
-    if (const cudaError_t err = run_conv_without_memset<ConvKernel>(args, stream); err != cudaSuccess) return err;
+    if (const cudaError_t err = launch_conv_kernel<ConvKernel>(args, nullptr, 0, stream); err != cudaSuccess) return err;
 
     const cutlass::MatrixCoord extent = reduction_extent(ps);
     const cutlass::layout::RowMajor rows(extent.column());

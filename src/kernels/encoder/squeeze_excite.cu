@@ -30,6 +30,7 @@
 
 #include "kernels/encoder/encoder_kernels.h"
 #include "kernels/encoder/numeric.cuh"
+#include "kernels/programmatic_launch.h"
 
 namespace kfuse::kernels {
 namespace {
@@ -353,6 +354,8 @@ template <class T, int P, int G, int V>
 __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const SqueezeExciteArgs a) {
   using Gm = Geo<P, G>;
   extern __shared__ __align__(128) unsigned char smem[];
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
   const int hw = a.hw;
   const RegLayout lay = reg_layout<P, G>(hw, a.out_nchw && a.out_f32);
   T* stage = reinterpret_cast<T*>(smem + lay.stage);
@@ -416,6 +419,8 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
 template <class T>
 __global__ void __launch_bounds__(kThreads) squeeze_excite_generic_kernel(const SqueezeExciteArgs a) {
   extern __shared__ float smem_generic[];
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
   float* mean = smem_generic;       // [p]
   float* gate = smem_generic + a.p;  // [p]
   float* hidden = smem_generic + 2 * a.p;  // [hidden]
@@ -535,10 +540,10 @@ bool launch_reg(const SqueezeExciteArgs& a, cudaStream_t stream) {
   if (smem > kDefaultSmem) return false;
   const int grid = (a.n + G - 1) / G;
   if (per_cta <= kThreads)
-    squeeze_excite_reg_kernel<T, P, G, 1><<<grid, kThreads, smem, stream>>>(a);
+    launch_kernel(squeeze_excite_reg_kernel<T, P, G, 1>, grid, kThreads, smem, stream, true, a);
   else
-    squeeze_excite_reg_kernel<T, P, G, 2><<<grid, kThreads, smem, stream>>>(a);
-  return true;
+    launch_kernel(squeeze_excite_reg_kernel<T, P, G, 2>, grid, kThreads, smem, stream, true, a);
+  return true;  // a launch error stays for launch_typed's cudaGetLastError
 }
 
 template <class T>
@@ -566,7 +571,7 @@ cudaError_t launch_typed(const SqueezeExciteArgs& a, cudaStream_t stream) {
   const int slices = a.p >= kThreads ? 1 : kThreads / a.p;
   const size_t smem = sizeof(float) * (2 * size_t(a.p) + a.hidden + size_t(slices) * a.p);
   if (smem > kDefaultSmem) return cudaErrorInvalidValue;
-  squeeze_excite_generic_kernel<T><<<a.n, kThreads, smem, stream>>>(a);
+  launch_kernel(squeeze_excite_generic_kernel<T>, a.n, kThreads, smem, stream, true, a);
   return cudaGetLastError();
 }
 

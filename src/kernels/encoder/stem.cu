@@ -29,6 +29,7 @@
 #include "kernels/encoder/encoder_kernels.h"
 #include "kernels/encoder/numeric.cuh"
 #include "kernels/encoder/stem_input.cuh"
+#include "kernels/programmatic_launch.h"
 
 namespace kfuse::kernels {
 namespace {
@@ -122,6 +123,9 @@ __device__ __forceinline__ void stage_b(const StemArgs& a, int c_count, int s0, 
 // kC > 0: C known at compile time (all k-steps in one batch); kC == 0: C = a.c, k-steps in batches of 4.
 template <class T, class E, int kC>
 __global__ void __launch_bounds__(kThreads) stem_kernel(const StemArgs a) {
+  // Launched first in the forward, never early itself; lets block 1's conv1 in as soon as its CTAs have started.
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
   constexpr int kBatch = kC > 0 ? kC : 4;
   constexpr int kSmemSteps = kC > 0 && kC < kChunkSteps ? kC : kChunkSteps;
   static_assert(kChunkSteps % kBatch == 0 || kC > 0, "B chunks must start on batch boundaries");
