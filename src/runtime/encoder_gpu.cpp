@@ -7,6 +7,7 @@
 #include "runtime/encoder_gpu_impl.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
 
@@ -76,6 +77,12 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
   m.sm_count = info.sm_count;
   m.tuning_mode = tuning_mode_from_env();
   m.use_pdl = kernels::pdl_supported(device);
+  if (const char* v = std::getenv("KFUSE_PDL"); v && *v) {
+    const std::string policy = v;
+    KFUSE_CHECK(policy == "0" || policy == "1" || policy == "2" || policy == "3", InvalidArgument,
+                "KFUSE_PDL must be 0 (off), 1, 2 or 3 (which kernel boundaries launch early), got '", policy, "'");
+    if (policy != "0") m.pdl_policy = policy[0] - '0';
+  }
   m.layout = plan_weights(config, m.blocks, m.kpad);
   m.stem_w = m.layout.stem_w;
   m.bw = m.layout.blocks;

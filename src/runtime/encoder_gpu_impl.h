@@ -192,6 +192,12 @@ struct EncoderGpu::Impl {
   // Programmatic dependent launch between the forward's kernels (kernels/programmatic_launch.h): on where the device
   // supports it (compute capability 9.0+) unless KFUSE_PDL=0; turned off for good if a capture with it fails.
   bool use_pdl = false;
+  // Which kernel boundaries launch programmatically (KFUSE_PDL, read at construction; PERF.md session 7):
+  //   1: every one after the stem that follows a single kfuse kernel;
+  //   2: not conv2 of a block whose shortcut runs on the side branch: conv2's CTAs, resident early while conv1
+  //      runs, would take the SMs the concurrent shortcut needs;
+  //   3: none inside such a block (conv1 and conv2 launched normally there).
+  int pdl_policy = 1;
   std::map<Geometry, Activations> activations;
   std::map<GraphKey, Graph> graphs;
   std::set<GraphKey> graph_warm;  // kinds of call run once eagerly (captured from their second call)
@@ -507,9 +513,15 @@ struct EncoderGpu::Impl {
         check_cuda(cudaEventRecord(join_events[i], side), "cudaEventRecord");
       }
       kernels::FixupEpilogue e1{nullptr, s + kB1b, s + kB2a, true};  // h + b2a = relu(acc + b1b) + b2a
-      conv(probs[0], act.a[i], W.conv1, act.h2[i], e1, stream);
+      {
+        kernels::PdlScope conv1_scope(chain && (pdl_policy < 3 || !b.has_downsample));
+        conv(probs[0], act.a[i], W.conv1, act.h2[i], e1, stream);
+      }
       kernels::FixupEpilogue e2{s + kScale, s + kB2b, nullptr, false};  // o = acc * scale + b2b
-      conv(probs[1], act.h2[i], W.conv2, act.o[i], e2, stream);
+      {
+        kernels::PdlScope conv2_scope(chain && (pdl_policy < 2 || !b.has_downsample));
+        conv(probs[1], act.h2[i], W.conv2, act.o[i], e2, stream);
+      }
       if (b.has_downsample)  // join before the squeeze-excite, which reads the shortcut's output
         check_cuda(cudaStreamWaitEvent(stream, join_events[i], 0), "cudaStreamWaitEvent");
 

@@ -128,20 +128,22 @@ def test_programmatic_launch_gives_the_same_bits(make_reference, monkeypatch, n,
         torch.cuda.synchronize()
         return outs
 
-    monkeypatch.setenv("KFUSE_TUNE", "off")  # both engines run the heuristic's kernels: same tiles, same sums
+    monkeypatch.setenv("KFUSE_TUNE", "off")  # every engine runs the heuristic's kernels: same tiles, same sums
     engines = {}
-    for pdl in ("0", "1"):
-        monkeypatch.setenv("KFUSE_PDL", pdl)  # read when the engine is created
+    for policy in ("0", "1", "2", "3"):  # off, then the three sets of early-launched boundaries
+        monkeypatch.setenv("KFUSE_PDL", policy)  # read when the engine is created
         engine = _C.EncoderGpu(enc.config, precision, 0)
         engine.set_weights(params)
-        engines[pdl] = engine
-    assert not engines["0"].uses_programmatic_launch
+        engines[policy] = engine
     major, _ = torch.cuda.get_device_capability()
-    assert engines["1"].uses_programmatic_launch == (major >= 9)
-    plain, programmatic = run(engines["0"]), run(engines["1"])
-    assert engines["1"].uses_programmatic_launch == (major >= 9)  # no capture fell back
+    plain = run(engines["0"])
+    assert not engines["0"].uses_programmatic_launch
     assert not torch.isnan(plain[0]).any()
-    for y in plain[1:] + programmatic:
+    for policy in ("1", "2", "3"):
+        for y in run(engines[policy]):
+            assert torch.equal(y, plain[0]), f"KFUSE_PDL={policy}"
+        assert engines[policy].uses_programmatic_launch == (major >= 9)  # and no capture fell back
+    for y in plain[1:]:
         assert torch.equal(y, plain[0])
     assert rel_err(plain[0], reference64(ref, x.float())) <= TOL
 
