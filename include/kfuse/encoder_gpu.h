@@ -90,9 +90,10 @@ class EncoderGpu {
   void set_use_graphs(bool on);
   size_t graph_count() const;
 
-  // Programmatic dependent launch (compute capability 9.0+): each kernel of the forward after the stem may start
-  // while its predecessor finishes, waiting on the device for its data. On where the device supports it, unless the
-  // environment sets KFUSE_PDL=0 when the encoder is created; off for good if a capture with it ever fails.
+  // Programmatic dependent launch (compute capability 9.0+): a kernel of the forward may start while its predecessor
+  // finishes, waiting on the device for its data. On where the device supports it, unless the environment sets
+  // KFUSE_PDL=0 when the encoder is created (1-3 pick which boundaries launch early; 3, the default, leaves out the
+  // blocks whose shortcut runs concurrently); off for good if a capture with it ever fails.
   bool uses_programmatic_launch() const;
 
   struct Impl;  // opaque (src/runtime/encoder_gpu_impl.h)

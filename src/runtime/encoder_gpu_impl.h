@@ -195,9 +195,10 @@ struct EncoderGpu::Impl {
   // Which kernel boundaries launch programmatically (KFUSE_PDL, read at construction; PERF.md session 7):
   //   1: every one after the stem that follows a single kfuse kernel;
   //   2: not conv2 of a block whose shortcut runs on the side branch: conv2's CTAs, resident early while conv1
-  //      runs, would take the SMs the concurrent shortcut needs;
-  //   3: none inside such a block (conv1 and conv2 launched normally there).
-  int pdl_policy = 1;
+  //      runs, take the SMs the concurrent shortcut needs (measured: 1 is 8% slower than no PDL at all);
+  //   3 (default): none inside such a block, so only block 1's chain and the stem's successor (the best measured:
+  //      ~1 us per early-launched boundary).
+  int pdl_policy = 3;
   std::map<Geometry, Activations> activations;
   std::map<GraphKey, Graph> graphs;
   std::set<GraphKey> graph_warm;  // kinds of call run once eagerly (captured from their second call)
