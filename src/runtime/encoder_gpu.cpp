@@ -8,48 +8,28 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <exception>
 #include <string>
 
 namespace kfuse {
 
 namespace {
 
-// Captures the forward for (g, stem, tail) on a private stream (the caller's stream never sees a capture in
-// progress) and instantiates it into `out`, its stem and tail nodes found. Returns "" or why it failed.
+// Captures the forward for (g, stem, tail) as a graph into `out`, its stem and tail nodes found as they are
+// launched. Returns "" or why it failed.
 std::string capture_forward(EncoderGpu::Impl& m, const Geometry& g, const kernels::StemArgs& stem,
                             const kernels::SqueezeExciteArgs& tail, Graph& out) {
-  cudaStream_t cs = nullptr;
-  check_cuda(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreate");
-  cudaGraph_t graph = nullptr;
-  if (const cudaError_t e = cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal); e != cudaSuccess) {
-    cudaStreamDestroy(cs);
-    return std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(e);
-  }
   EncoderGpu::Impl::CapturedEnds ends;
-  std::string why;
-  try {
-    m.launch(g, stem, tail, cs, &ends);
-  } catch (const std::exception& e) {
-    why = e.what();
+  cudaGraphExec_t exec = nullptr;
+  cudaGraph_t graph = nullptr;  // kept: the stem's and tail's parameters are read back when the caller's pointers move
+  const std::string why =
+      capture_graph([&](cudaStream_t cs) { m.launch(g, stem, tail, cs, &ends); }, &exec, &graph);
+  if (!why.empty()) return why;
+  if (!ends.stem || !ends.tail) {
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    return "unexpected graph shape (no unique first and last kernel)";
   }
-  const cudaError_t end = cudaStreamEndCapture(cs, &graph);
-  cudaStreamDestroy(cs);
-  (void)cudaGetLastError();  // a failed capture's error is reported through `why`, not left behind
-  if (why.empty() && end != cudaSuccess) why = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
-  if (why.empty() && (!ends.stem || !ends.tail)) why = "unexpected graph shape (no unique first and last kernel)";
-  if (why.empty()) {
-    if (const cudaError_t e = cudaGraphInstantiate(&out.exec, graph, 0); e != cudaSuccess) {
-      (void)cudaGetLastError();
-      why = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(e);
-      out.exec = nullptr;
-    }
-  }
-  if (!why.empty()) {
-    if (graph) cudaGraphDestroy(graph);
-    return why;
-  }
-  // Kept: the stem's and the tail's parameters are read back from it when the caller's pointers move.
+  out.exec = exec;
   out.graph = graph;
   out.stem = ends.stem;
   out.tail = ends.tail;

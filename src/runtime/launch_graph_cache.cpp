@@ -35,7 +35,7 @@ void LaunchGraphCache::run(const Key& key, cudaStream_t stream, const Launch& la
   }
   if (!it->second.exec) {
     cudaGraphExec_t exec = nullptr;
-    if (const std::string why = capture(launch, &exec); !why.empty()) {
+    if (const std::string why = capture_graph(launch, &exec); !why.empty()) {
       // Not retried: the same sequence would fail the same way on every call. Runs eagerly instead.
       std::fprintf(stderr, "[kfuse] warning: a launch sequence could not be captured as a CUDA graph (%s); it runs "
                            "without one\n", why.c_str());
@@ -53,7 +53,10 @@ void LaunchGraphCache::run(const Key& key, cudaStream_t stream, const Launch& la
   check_cuda(cudaGraphLaunch(ready.exec, stream), "cudaGraphLaunch");
 }
 
-std::string LaunchGraphCache::capture(const Launch& launch, cudaGraphExec_t* exec) {
+std::string capture_graph(const std::function<void(cudaStream_t)>& launch, cudaGraphExec_t* exec,
+                          cudaGraph_t* keep) {
+  *exec = nullptr;
+  if (keep) *keep = nullptr;
   cudaStream_t cs = nullptr;
   check_cuda(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreate (capture)");
   cudaGraph_t graph = nullptr;
@@ -73,12 +76,17 @@ std::string LaunchGraphCache::capture(const Launch& launch, cudaGraphExec_t* exe
   if (why.empty() && end != cudaSuccess) why = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
   if (why.empty() && graph) {
     if (cudaError_t inst = cudaGraphInstantiate(exec, graph, 0); inst != cudaSuccess) {
+      cudaGetLastError();
       *exec = nullptr;
       why = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(inst);
     }
   }
-  if (graph) cudaGraphDestroy(graph);  // the executable graph is self-contained
   if (why.empty() && !*exec) why = "empty capture";
+  if (why.empty() && keep) {
+    *keep = graph;
+  } else if (graph) {
+    cudaGraphDestroy(graph);  // the executable graph is self-contained
+  }
   return why;
 }
 

@@ -20,6 +20,13 @@
 
 namespace kfuse {
 
+// Captures `launch` on a private stream (the caller's streams never see a capture in progress) and instantiates it
+// into *exec. With `keep`, the captured graph is handed to the caller as well (who destroys it: a graph whose nodes'
+// parameters are patched later); else it is destroyed. Returns why not (empty on success; then *exec is set); a
+// failure leaves no CUDA error behind and nothing to free.
+std::string capture_graph(const std::function<void(cudaStream_t)>& launch, cudaGraphExec_t* exec,
+                          cudaGraph_t* keep = nullptr);
+
 class LaunchGraphCache {
  public:
   using Key = std::vector<int64_t>;
@@ -43,8 +50,6 @@ class LaunchGraphCache {
     bool uncapturable = false;       // its capture failed once: eager from then on
     uint64_t last_use = 0;
   };
-  // Captures `launch` on a private stream into `*exec`; returns why not (empty on success).
-  static std::string capture(const Launch& launch, cudaGraphExec_t* exec);
   // Drops least recently used entries (with a graph only, or any) until fewer than `limit` remain of that kind.
   void evict_oldest(bool graphs_only, size_t limit);
   std::map<Key, Entry> entries_;
