@@ -34,7 +34,7 @@ def main():
             r[1] += 1
     total = sum(v[0] for v in rows.values()) / steps
     print(f"kfuse training step N={n}: {total / 1e3:.3f} ms of kernel time per step")
-    for name, (us, cnt) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:30]:
+    for name, (us, cnt) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:60]:
         # CUTLASS 2.x conv kernels differ only deep in their mangled names: keep the tile shapes and operator.
         short = name if "cutlass" not in name else " ".join(
             m for m in __import__("re").findall(r"GemmShapeILi\d+ELi\d+ELi\d+E|Strided|Wgrad|Dgrad|Fprop|"

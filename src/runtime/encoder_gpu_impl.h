@@ -145,6 +145,9 @@ struct Activations {
   std::vector<void*> x, a, h2, idt, o;  // per block; x[b]: the block's input when its shortcut is the identity
   std::vector<void*> y;                  // training only: every block's output, NHWC (the backward's ReLU masks)
   void* x0 = nullptr;
+  // Training: o holds conv2's raw output v and the squeeze-excite kernels (forward and backward) apply its FixUp
+  // epilogue o = v * scale + b2b as they read it. A cuDNN conv2 then needs no epilogue pass over its output.
+  bool conv2_raw = false;
 };
 
 // The launch sequence of one geometry, captured once.
@@ -519,6 +522,7 @@ struct EncoderGpu::Impl {
         conv(probs[0], act.a[i], W.conv1, act.h2[i], e1, stream);
       }
       kernels::FixupEpilogue e2{s + kScale, s + kB2b, nullptr, false};  // o = acc * scale + b2b
+      if (act.conv2_raw) e2 = kernels::FixupEpilogue{};                 // ... applied by the squeeze-excite
       {
         kernels::PdlScope conv2_scope(chain && (pdl_policy < 2 || !b.has_downsample));
         conv(probs[1], act.h2[i], W.conv2, act.o[i], e2, stream);
@@ -528,6 +532,8 @@ struct EncoderGpu::Impl {
 
       kernels::SqueezeExciteArgs se = tail;  // out_nchw / out_f32 are the tail's; cleared below for inner blocks
       se.o = act.o[i];
+      se.o_scale = act.conv2_raw ? s + kScale : nullptr;
+      se.o_shift = act.conv2_raw ? s + kB2b : nullptr;
       se.identity = b.has_downsample ? act.idt[i] : act.x[i];
       se.n = g.n;
       se.hw = (h / b.stride) * (w / b.stride);

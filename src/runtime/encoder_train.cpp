@@ -1,8 +1,10 @@
 // Orchestration of the training step (no kernel code here): device-side parameter packing, the training forward
-// (the inference launch sequence, keeping every block's output), and the backward, block by block from the last:
+// (the inference launch sequence, keeping every block's output; conv2 stores its raw output v, and the squeeze-excite
+// kernels apply o = v * scale + b2b as they read it: no epilogue pass after a cuDNN conv2), and the backward, block
+// by block from the last:
 //
 //   SE + residual backward  -> d_o, dz (= d identity), SE parameter gradients, sum d_o (b2b), sum dy (next b1a)
-//   conv2 wgrad (h2, d_o)   -> G2;  dW2 = scale * G2,  d scale = <W2, G2>      (no stash of conv2's raw output)
+//   conv2 wgrad (h2, d_o)   -> G2;  dW2 = scale * G2,  d scale = <W2, G2>
 //   conv2 dgrad             -> dh2 / scale = conv2^T(d_o)
 //   ReLU-mask backward      -> d_pre1 = scale * dh2 where relu was active, sum dh2 (b2a), sum d_pre1 (b1b)
 //   conv1 [+ shortcut]      -> the downsampling blocks keep [d_pre1 | dz] as one 2P-channel gradient and the two
@@ -35,7 +37,7 @@ using kernels::ParamDType;
 // The buffers of one training geometry: the forward's stash and the backward's gradients.
 struct TrainBuffers {
   void* base = nullptr;
-  Activations act;                               // forward: x0, a, h2, o, y (stash) and idt (scratch)
+  Activations act;                               // forward: x0, a, h2, o (raw: conv2_raw), y (stash), idt (scratch)
   std::vector<void*> d_o, dh2, dcat, dz, dx;     // per block; dz only for identity blocks (else inside dcat)
   std::vector<float*> g1, g2;                    // KRSC weight-gradient sums (fp32, or T): conv1 [+ shortcut], conv2
   uint64_t stash = 0;                            // id of the forward whose values the buffers hold (0: none)
@@ -254,6 +256,7 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
     return off == kNone ? nullptr : static_cast<void*>(static_cast<uint8_t*>(tb.base) + off);
   };
   tb.act.base = nullptr;  // owned by tb.base
+  tb.act.conv2_raw = true;
   tb.act.x0 = at(x0);
   for (size_t i = 0; i < offs.size(); ++i) {
     const Offs& o = offs[i];
@@ -474,7 +477,9 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       s.dy = last ? dy.data : tb.dx[i + 1];
       s.dy_nchw = last;
       s.dy_f32 = last && dy.dtype == DType::F32;
-      s.o = tb.act.o[i];
+      s.o = tb.act.o[i];  // conv2's raw output: the kernel applies x scale + b2b (Activations::conv2_raw)
+      s.o_scale = fp(W.scalars) + kScale;
+      s.o_shift = fp(W.scalars) + kB2b;
       s.n = g.n, s.hw = ho * wo, s.p = b.planes, s.hidden = b.se_hidden;
       s.w1 = fp(W.fc1_w), s.b1 = fp(W.fc1_b), s.w2 = fp(W.fc2_w), s.b2 = fp(W.fc2_b);
       s.d_o = tb.d_o[i];

@@ -70,6 +70,11 @@ class CandidateTimer {
   size_t ref_elems_ = 0;
   double* result_ = nullptr;  // compare_with_reference's three sums (device)
   int reps_ = 1;
+  // Host microseconds per launch_ call of each candidate, as last measured: the GPU delay before a measurement must
+  // outlast the host's enqueueing of its launches, or the host time leaks into the GPU time (cuDNN's calls take
+  // 10-200 us each on the host). The last value, not the largest: a one-off slow call (a first call's lazy
+  // loading) must not stretch every later delay.
+  std::vector<double> host_us_per_launch_;
 };
 
 // Tunes one op whose candidate 0 is the reference: the cached choice for `key`, or a tuning whose timer

@@ -55,6 +55,7 @@ struct SeCase {
   int dz_front = 0, dz_back = 0;  // channels of each dz row before / after dz's p (the pitch is their sum + p)
   bool nchw = false, f32 = false;  // dy NCHW, fp32
   bool sums = true;                // ask for the scalar sums
+  bool raw_o = false;              // o given as conv2's raw output v with o_scale / o_shift (the training step's way)
 };
 
 void PrintTo(const SeCase& c, std::ostream* os) { *os << c.name; }
@@ -108,12 +109,20 @@ const SeCase kCases[] = {
     {"f16_b4_n2047", kF16, 2047, 4, 512, 32, 512, 0},
     {"bf16_b4_nchw_f32_n2048", kBF16, 2048, 4, 512, 32, 0, 0, true, true},
     {"bf16_b3_nchw_t_n1030", kBF16, 1030, 16, 256, 16, 0, 0, true, false},
+    // o as raw conv2 output plus the FixUp scale and shift, read through them (the training step's four blocks)
+    {"f16_b1_n33_raw", kF16, 33, 256, 64, 4, 0, 0, false, false, true, true},
+    {"bf16_b2_n33_raw", kBF16, 33, 64, 128, 8, 128, 0, false, false, true, true},
+    {"f16_b3_n1030_raw", kF16, 1030, 16, 256, 16, 256, 0, false, false, true, true},
+    {"bf16_b4_nchw_f32_n33_raw", kBF16, 33, 4, 512, 32, 0, 0, true, true, true, true},
+    {"f16_odd_n5_raw", kF16, 5, 9, 24, 3, 8, 8, false, false, true, true},
 };
 
 // ---- inputs --------------------------------------------------------------------------------------------------------
 
 struct Inputs {
-  std::vector<uint16_t> y, o;   // NHWC T
+  std::vector<uint16_t> y, o;   // NHWC T; o is the SE input the reference uses
+  std::vector<uint16_t> v;      // raw_o: what the kernel reads, with o = T(v * scale + shift) (fp32 fma)
+  float scale = 1.f, shift = 0.f;
   std::vector<uint16_t> dy_t;   // dy as T (NHWC or NCHW), unless f32
   std::vector<float> dy_f;      // dy as fp32 (NCHW), when f32
   std::vector<float> w1, b1, w2, b2;
@@ -152,6 +161,13 @@ Inputs make_inputs(const SeCase& c, std::mt19937& rng) {
   for (size_t i = 0; i < elems; ++i) {
     in.y[i] = float_to_bits(std::max(u11(rng), 0.0f), c.dtype);  // relu of random values: about half exact zeros
     in.o[i] = float_to_bits(u11(rng), c.dtype);
+  }
+  if (c.raw_o) {  // non-trivial FixUp scalars; o as the kernel must form it: one fp32 fma, one rounding to T
+    in.scale = 0.75f + 0.5f * std::abs(u11(rng));
+    in.shift = 0.25f * u11(rng);
+    in.v = in.o;
+    for (size_t i = 0; i < elems; ++i)
+      in.o[i] = float_to_bits(std::fmaf(bits_to_float(in.v[i], c.dtype), in.scale, in.shift), c.dtype);
   }
   if (c.f32) {
     in.dy_f.resize(elems);
@@ -198,7 +214,7 @@ int pitch_of(const SeCase& c) { return c.dz_front + c.p + c.dz_back; }
 
 // Device copies of the inputs, the outputs and the workspace.
 struct DeviceState {
-  DeviceBuffer y, dy, o, w1, b1, w2, b2, d_o, dz, dw1, db1, dw2, db2, sums, ws;
+  DeviceBuffer y, dy, o, w1, b1, w2, b2, d_o, dz, dw1, db1, dw2, db2, sums, ws, affine;
   std::vector<uint16_t> dz_init;  // sentinel in the gaps, NaN where dz goes
 };
 
@@ -209,7 +225,9 @@ void upload(const SeCase& c, const Inputs& in, DeviceState* d) {
     ASSERT_EQ(cudaMemcpy(b.ptr, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
   };
   ASSERT_NO_FATAL_FAILURE(put(d->y, in.y.data(), elems * 2));
-  ASSERT_NO_FATAL_FAILURE(put(d->o, in.o.data(), elems * 2));
+  ASSERT_NO_FATAL_FAILURE(put(d->o, (c.raw_o ? in.v : in.o).data(), elems * 2));
+  const float affine[2] = {in.scale, in.shift};
+  ASSERT_NO_FATAL_FAILURE(put(d->affine, affine, sizeof(affine)));
   if (c.f32)
     ASSERT_NO_FATAL_FAILURE(put(d->dy, in.dy_f.data(), elems * 4));
   else
@@ -239,6 +257,7 @@ SeBackwardArgs make_args(const SeCase& c, const DeviceState& d) {
   a.dy_nchw = c.nchw;
   a.dy_f32 = c.f32;
   a.o = d.o.ptr;
+  if (c.raw_o) a.o_scale = d.affine.as<float>(), a.o_shift = d.affine.as<float>() + 1;
   a.n = c.n, a.hw = c.hw, a.p = c.p, a.hidden = c.hidden;
   a.w1 = d.w1.as<float>(), a.b1 = d.b1.as<float>(), a.w2 = d.w2.as<float>(), a.b2 = d.b2.as<float>();
   a.d_o = d.d_o.ptr;
@@ -533,6 +552,8 @@ TEST(SeBackwardValidation, RejectsWithoutTouchingTheDevice) {
   rejects(with([](SeBackwardArgs& a) { a.dz_pitch = 56; }), "dz_pitch < p");
   rejects(with([](SeBackwardArgs& a) { a.dz_pitch = 132; }), "dz_pitch not a multiple of 8");
   rejects(with([](SeBackwardArgs& a) { a.dy_f32 = true; }), "dy_f32 without dy_nchw");
+  rejects(with([](SeBackwardArgs& a) { a.o_scale = static_cast<const float*>(fake(18)); }), "o_scale without o_shift");
+  rejects(with([](SeBackwardArgs& a) { a.o_shift = static_cast<const float*>(fake(18)); }), "o_shift without o_scale");
   rejects(with([](SeBackwardArgs& a) { a.hidden = 1 << 20; }), "hidden too large for shared memory");
   rejects(with([](SeBackwardArgs& a) { a.y = static_cast<const char*>(a.y) + 2; }), "misaligned y");
   rejects(with([](SeBackwardArgs& a) { a.dy = static_cast<const char*>(a.dy) + 8; }), "misaligned dy");

@@ -294,3 +294,17 @@ def test_training_graphs_replay_the_eager_step(make_reference):
         for what, a, b in zip(("y", "grads", "dx"), g, e):
             assert torch.isfinite(a).all(), f"run {i}: {what} has unwritten (NaN) elements"
             assert rel_err(a, b) <= 1e-3, f"run {i}: {what} differs from the eager step by {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("n", [7, 33])
+def test_training_forward_matches_the_inference_forward(make_reference, n):
+    """The training forward computes the same function another way: conv2 stores its raw output and the squeeze-
+    excite kernel applies x scale + b2b as it reads it (Activations::conv2_raw). Only roundings differ: fp16 outputs
+    agree to a few units of fp16's roundoff (4e-3 normwise; a lost scale or shift shows as > 1e-1)."""
+    enc = kfuse.ResNetEncoder.from_torch(make_reference(in_channels=3, seed=71 + n)).cuda().half()
+    x = torch.rand(n, 3, 64, 64, generator=torch.Generator().manual_seed(n)).cuda().half()
+    with torch.no_grad():
+        y_infer = enc.eval()(x).float()
+    y_train = enc.train()(x).detach().float()  # the parameters require grad: the training step
+    assert torch.isfinite(y_train).all()
+    assert rel_err(y_train, y_infer) <= 4e-3, f"{rel_err(y_train, y_infer):.2e}"

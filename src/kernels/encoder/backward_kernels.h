@@ -31,6 +31,8 @@ struct SeBackwardArgs {
   bool dy_nchw = false;
   bool dy_f32 = false;       // only with dy_nchw
   const void* o = nullptr;   // the SE input o (after x scale + b2b), NHWC [n][hw][p] of T
+  const float* o_scale = nullptr;  // optional (with o_shift): o holds conv2's raw output v, and the SE input is
+  const float* o_shift = nullptr;  //   T(v * *o_scale + *o_shift), as the forward's squeeze-excite read it
   int n = 0, hw = 0, p = 0, hidden = 0;
   const float* w1 = nullptr;  // fc1 weight [hidden][p]
   const float* b1 = nullptr;  // [hidden]

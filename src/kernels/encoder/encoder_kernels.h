@@ -35,8 +35,12 @@ cudaError_t launch_stem(const StemArgs& args, ConvDType dtype, cudaStream_t stre
 //   g = sigmoid(fc2(relu(fc1(mean_hw(o))))),  y = relu(o * g + identity)
 // o, identity: NHWC (HW x P per image) of T. fc weights/biases fp32 (fc1: [hidden, P], fc2: [P, hidden]).
 // Outputs, each optional: y (NHWC, T); a_next = y + *next_b1a (NHWC, T); out (NCHW, T or fp32 as out_f32).
+// With o_scale (and o_shift), o holds conv2's raw output v and the kernel reads o = T(v * *o_scale + *o_shift) (the
+// training step: conv2's FixUp epilogue applied here instead of in a pass over v, numeric.cuh affine8).
 struct SqueezeExciteArgs {
   const void* o = nullptr;
+  const float* o_scale = nullptr;
+  const float* o_shift = nullptr;
   const void* identity = nullptr;
   int n = 0, hw = 0, p = 0, hidden = 0;
   const float* w1 = nullptr;

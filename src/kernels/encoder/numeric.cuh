@@ -74,6 +74,18 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
 }
 
+// A 16-byte vector of raw convolution outputs v -> T(v * scale + shift) (fp32 fma, one rounding to T): conv2's FixUp
+// epilogue o = acc * scale + b2b, applied by the training step's readers of o instead of a pass over conv2's output.
+// Both the forward's and the backward's squeeze-excite kernels use this one function: they see the same o.
+template <class T>
+__device__ __forceinline__ uint4 affine8(const uint4& v, float scale, float shift) {
+  float f[8];
+  unpack8<T>(v, f);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = fmaf(f[i], scale, shift);
+  return pack8<T>(f);
+}
+
 // D += A * B, m16n8k16 (row-major A, column-major B), fp32 accumulators.
 template <class T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

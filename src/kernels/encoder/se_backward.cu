@@ -70,6 +70,8 @@ struct MainParams {
   const void* y;
   const void* dy;
   const void* o;
+  const float* o_scale;  // null: o is the SE input itself; else o = T(o * scale + shift)
+  const float* o_shift;
   const float* w1;   // [hidden][p]
   const float* w1t;  // [p][hidden] (workspace)
   const float* b1;
@@ -310,10 +312,13 @@ __global__ void __launch_bounds__(kThreads, 2) se_backward_main_kernel(const Mai
     const int img = img0 + g;
     const T* o = static_cast<const T*>(a.o);
     const T* y = static_cast<const T*>(a.y);
+    const bool raw = a.o_scale != nullptr;
+    const float o_sc = raw ? __ldg(a.o_scale) : 1.f, o_sh = raw ? __ldg(a.o_shift) : 0.f;
 #pragma unroll 2
     for (int i = s; i < hw; i += slr) {
       const int64_t pix = int64_t(img) * hw + i;
-      const uint4 ov = __ldg(reinterpret_cast<const uint4*>(o + pix * p + c0));
+      uint4 ov = __ldg(reinterpret_cast<const uint4*>(o + pix * p + c0));
+      if (raw) ov = affine8<T>(ov, o_sc, o_sh);
       const uint4 yv = __ldg(reinterpret_cast<const uint4*>(y + pix * p + c0));
       float dyf[8], of[8], yf[8], dzf[8];
       load_dy8<T>(a, smem, pix, img, i, g * hw + i, c0, dyf);
@@ -725,6 +730,7 @@ bool valid_args(const SeBackwardArgs& a, ConvDType dtype) {
   if (a.n < 1 || a.hw < 1 || a.hidden < 1 || a.p < 8 || a.p > kMaxP || a.p % 8 != 0) return false;
   if (a.dz_pitch < a.p || a.dz_pitch % 8 != 0) return false;
   if (a.dy_f32 && !a.dy_nchw) return false;
+  if (!a.o_scale != !a.o_shift) return false;
   for (const void* ptr : {a.y, a.dy, a.o, static_cast<const void*>(a.d_o), static_cast<const void*>(a.dz)})
     if (!aligned(ptr, 16)) return false;
   for (const void* ptr : {static_cast<const void*>(a.w1), static_cast<const void*>(a.b1),
@@ -821,7 +827,7 @@ cudaError_t launch_se_backward(const SeBackwardArgs& a, ConvDType dtype, void* w
   }
   // 2. the per-image pass
   MainParams mp{};
-  mp.y = a.y, mp.dy = a.dy, mp.o = a.o;
+  mp.y = a.y, mp.dy = a.dy, mp.o = a.o, mp.o_scale = a.o_scale, mp.o_shift = a.o_shift;
   mp.w1 = a.w1, mp.w1t = w1t, mp.b1 = a.b1, mp.w2 = a.w2, mp.w2t = w2t, mp.b2 = a.b2;
   mp.d_o = a.d_o, mp.dz = a.dz;
   mp.ws_m = reinterpret_cast<float*>(ws + wl.m);

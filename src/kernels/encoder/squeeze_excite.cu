@@ -377,6 +377,11 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
     const int v = t + k * kThreads;
     ov[k] = v < nvec ? __ldg(o + v) : make_uint4(0, 0, 0, 0);
   }
+  if (a.o_scale) {
+    const float sc = __ldg(a.o_scale), sh = __ldg(a.o_shift);
+#pragma unroll
+    for (int k = 0; k < V; ++k) ov[k] = affine8<T>(ov[k], sc, sh);
+  }
   __syncthreads();
   float4 w1r[Gm::S1], w2r[Gm::K2];
   float b1r, b2r[Gm::Scatter2::kOut];
@@ -433,11 +438,14 @@ __global__ void __launch_bounds__(kThreads) squeeze_excite_generic_kernel(const 
   // threads take other rows, and the row slices are summed in a fixed order (deterministic, no atomics).
   float* partial = hidden + a.hidden;  // [slices][p]
   const int slices = a.p >= kThreads ? 1 : kThreads / a.p;
+  const bool raw = a.o_scale != nullptr;
+  const float sc = raw ? *a.o_scale : 1.f, sh = raw ? *a.o_shift : 0.f;
+  auto o_at = [&](int64_t e) { return raw ? to_f(to_t<T>(fmaf(to_f(o[e]), sc, sh))) : to_f(o[e]); };
   for (int t = threadIdx.x; t < slices * a.p; t += kThreads) {
     const int c = t % a.p, slice = t / a.p;
     float s = 0.f;
 #pragma unroll 4
-    for (int i = slice; i < a.hw; i += slices) s += to_f(o[int64_t(i) * a.p + c]);
+    for (int i = slice; i < a.hw; i += slices) s += o_at(int64_t(i) * a.p + c);
     partial[slice * a.p + c] = s;
   }
   __syncthreads();
@@ -472,7 +480,8 @@ __global__ void __launch_bounds__(kThreads) squeeze_excite_generic_kernel(const 
     const int c0 = int(e % a.p);
     const int i = int(e / a.p);
     float of[8], idf[8], y[8], an[8];
-    unpack8<T>(*reinterpret_cast<const uint4*>(o + e), of);
+    const uint4 o8 = *reinterpret_cast<const uint4*>(o + e);
+    unpack8<T>(raw ? affine8<T>(o8, sc, sh) : o8, of);
     unpack8<T>(*reinterpret_cast<const uint4*>(idt + e), idf);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -579,7 +588,7 @@ cudaError_t launch_typed(const SqueezeExciteArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& a, ConvDType dtype, cudaStream_t stream) {
   if (!a.o || !a.identity || !a.w1 || !a.b1 || !a.w2 || !a.b2 || a.n <= 0 || a.hw <= 0 || a.p % 8 || a.hidden <= 0 ||
-      (a.a_next && !a.next_b1a) || (!a.y && !a.a_next && !a.out_nchw))
+      (a.a_next && !a.next_b1a) || (!a.y && !a.a_next && !a.out_nchw) || (!a.o_scale != !a.o_shift))
     return cudaErrorInvalidValue;
   return dtype == ConvDType::kF16 ? launch_typed<__half>(a, stream) : launch_typed<__nv_bfloat16>(a, stream);
 }
