@@ -308,3 +308,16 @@ def test_training_forward_matches_the_inference_forward(make_reference, n):
     y_train = enc.train()(x).detach().float()  # the parameters require grad: the training step
     assert torch.isfinite(y_train).all()
     assert rel_err(y_train, y_infer) <= 4e-3, f"{rel_err(y_train, y_infer):.2e}"
+
+
+def test_training_forward_generic_squeeze_excite(make_reference):
+    """base_planes = 32: the 32-channel block takes the generic squeeze-excite kernel (the fast one covers P = 64 to
+    512), so conv2's raw output goes through its affine path too; the training forward must match the inference
+    forward as in the test above."""
+    enc = kfuse.ResNetEncoder.from_torch(make_reference(in_channels=3, base_planes=32, seed=91)).cuda().half()
+    x = torch.rand(5, 3, 64, 64, generator=torch.Generator().manual_seed(92)).cuda().half()
+    with torch.no_grad():
+        y_infer = enc.eval()(x).float()
+    y_train = enc.train()(x).detach().float()
+    assert torch.isfinite(y_train).all()
+    assert rel_err(y_train, y_infer) <= 4e-3, f"{rel_err(y_train, y_infer):.2e}"

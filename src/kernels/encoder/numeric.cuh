@@ -74,9 +74,15 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
 }
 
-// A 16-byte vector of raw convolution outputs v -> T(v * scale + shift) (fp32 fma, one rounding to T): conv2's FixUp
-// epilogue o = acc * scale + b2b, applied by the training step's readers of o instead of a pass over conv2's output.
-// Both the forward's and the backward's squeeze-excite kernels use this one function: they see the same o.
+// A raw convolution output v (in fp32) -> T(v * scale + shift), returned in fp32: one fp32 fma, one round-to-nearest
+// to T. This is conv2's FixUp epilogue o = acc * scale + b2b as the training step's readers of o apply it instead of a
+// pass over conv2's output; the squeeze-excite kernels, forward (fast and generic) and backward, use only this rule
+// (here or through affine8), so they all see the same o.
+template <class T>
+__device__ __forceinline__ float affine1(float v, float scale, float shift) {
+  return to_f(to_t<T>(fmaf(v, scale, shift)));
+}
+// The same for a 16-byte vector of 8 T (pack8 rounds to nearest as to_t does).
 template <class T>
 __device__ __forceinline__ uint4 affine8(const uint4& v, float scale, float shift) {
   float f[8];

@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(kThreads) squeeze_excite_generic_kernel(const 
   const int slices = a.p >= kThreads ? 1 : kThreads / a.p;
   const bool raw = a.o_scale != nullptr;
   const float sc = raw ? *a.o_scale : 1.f, sh = raw ? *a.o_shift : 0.f;
-  auto o_at = [&](int64_t e) { return raw ? to_f(to_t<T>(fmaf(to_f(o[e]), sc, sh))) : to_f(o[e]); };
+  auto o_at = [&](int64_t e) { return raw ? affine1<T>(to_f(o[e]), sc, sh) : to_f(o[e]); };
   for (int t = threadIdx.x; t < slices * a.p; t += kThreads) {
     const int c = t % a.p, slice = t / a.p;
     float s = 0.f;
