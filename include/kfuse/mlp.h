@@ -94,34 +94,43 @@ struct MlpVariant {
   // partials. Needs resident weights and accumulators that fit the register budget (mlp_fused_wgrad_fits);
   // otherwise the backward kernel stores every layer's dz and cuBLAS computes the gradients from it.
   bool fused_wgrad = false;
+  // The forward's layers as Hopper warpgroup MMAs (wgmma, sm_90a only): each warpgroup multiplies 64 rows per
+  // instruction with the activations in registers and the weights in shared memory (resident, in wgmma's core-matrix
+  // layout), and prefetches its next rows of x with cp.async while it computes. With m_tiles 2 a warpgroup runs two
+  // 64-row chains, one chain's activation math overlapping the other's MMAs. Needs resident weights and warps a
+  // multiple of 4. The backward is the same as without it.
+  bool wgmma = false;
 
-  std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64", "mt2_w8_resident_fw"
+  std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64", "mt2_w8_resident_fw", "mt1_w8_resident_wg"
   int rows_per_cta() const { return 16 * m_tiles * warps; }
   bool operator==(const MlpVariant&) const = default;
 };
 
 // Throws InvalidArgument naming the field when a variant cannot run `spec` (m_tiles 1 or 2, warps 1..16, k_chunk a
-// multiple of 16, fused weight gradients only with resident weights and accumulators that fit).
+// multiple of 16, fused weight gradients only with resident weights and accumulators that fit, wgmma only with
+// resident weights and whole warpgroups).
 void validate_variant(const MlpSpec& spec, const MlpVariant& v);
 
 // Shared memory (bytes) a variant needs for its forward and backward kernels.
 size_t mlp_forward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
 size_t mlp_backward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
 // The variants worth trying for a spec on a device with `smem_optin` bytes of shared memory per block (the
-// default first); the heuristic default alone is mlp_default_variant.
-std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin);
+// default first); the heuristic default alone is mlp_default_variant. With `hopper` (compute capability 9.0) the
+// wgmma forward variants that fit join them.
+std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin, bool hopper = false);
 MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin);
 // Whether `v` can take fused_wgrad for `spec` (its value of fused_wgrad aside): resident weights, per-thread weight
 // gradient accumulators within the budget, shared memory within smem_optin.
 bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_optin);
 
-// The variants the autotuner chose for one spec and batch on one device: the forward's and the backward's, timed as
-// two ops ("mlp_forward", "mlp_backward") over mlp_candidate_variants, each checked against the heuristic
-// default's output and cached like every kfuse op (kfuse/tuner.h). The two may differ: weights, stash and
-// activations are laid out the same for every variant, so a training forward of one feeds the backward of another.
+// The variants the autotuner chose for one spec and batch on one device: the inference forward's and the training
+// step's (its forward_train and backward), timed as two ops ("mlp_forward", "mlp_train") over
+// mlp_candidate_variants, each checked against the heuristic default's output and cached like every kfuse op
+// (kfuse/tuner.h). The two may differ: weights, stash and activations are laid out the same for every variant.
 // Compiles (or loads from the kernel cache) one FusedMlp per candidate when it has to time them.
 struct MlpTuning {
-  MlpVariant forward, backward;
+  MlpVariant forward;   // inference: forward()
+  MlpVariant backward;  // training: forward_train() and backward()
   std::vector<OpTuningReport> rows;  // forward, backward
 };
 MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mode = TuningMode::kOnFirstUse,

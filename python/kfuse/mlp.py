@@ -142,9 +142,11 @@ class _FusedFunction(torch.autograd.Function):
         y = torch.empty(batch, out_width, dtype=x.dtype, device=x.device)
         stream = _cuda_stream(x.device)
         if train:
-            stash = torch.empty(max(engine.stash_bytes(batch), 16), dtype=torch.uint8, device=x.device)
-            engine.forward_train(packed, x, y, stash, stream)
-            ctx.engine = bwd_engine  # may be another variant: weights, stash and y are laid out the same
+            # The training variant's stash-writing forward and backward (tuned together as one training step);
+            # inference may use another variant: weights, stash and y are laid out the same for all.
+            stash = torch.empty(max(bwd_engine.stash_bytes(batch), 16), dtype=torch.uint8, device=x.device)
+            bwd_engine.forward_train(packed, x, y, stash, stream)
+            ctx.engine = bwd_engine
             ctx.param_shapes = [p.shape for p in params]
             ctx.param_dtype = params[0].dtype
             ctx.save_for_backward(x, y, stash, packed)
@@ -213,8 +215,9 @@ class FusedMLP(nn.Module):
                                     for i in range(n_layers))
         self._engines: dict = {}
         self._packed = None  # (key, packed tensor)
-        # Kernel variants the GPU path uses for the forward (and training forward) and for the backward, as tuples
-        # engine() takes. None: what tune() chose for the device and compute dtype, else the heuristic default.
+        # Kernel variants the GPU path uses for inference (forward) and for training (training forward and
+        # backward), as tuples engine() takes. None: what tune() chose for the device and compute dtype, else the
+        # heuristic default.
         self.variant: tuple | None = None
         self.backward_variant: tuple | None = None
         self._tuned: dict = {}  # (device index, compute dtype) -> (forward variant, backward variant)
@@ -265,8 +268,9 @@ class FusedMLP(nn.Module):
         return mlp
 
     def tune(self, batch: int, mode: str = "on") -> list[dict]:
-        """Chooses the forward and backward kernel variants for `batch` rows on the parameters' device and compute
-        dtype with kfuse's autotuner: every candidate variant compiled (or loaded from the kernel cache), timed on
+        """Chooses the inference and training kernel variants for `batch` rows on the parameters' device and compute
+        dtype with kfuse's autotuner (ops 'mlp_forward': the forward; 'mlp_train': the training forward and the
+        backward together): every candidate variant compiled (or loaded from the kernel cache), timed on
         random data, checked against the default's output; the choice is cached on disk (mode 'on': a cached
         choice is used as is, 'retune': time again, 'off': the heuristic default). variants() then returns it
         (unless `variant` / `backward_variant` override it). Returns the tuner's report rows (print them with
@@ -279,7 +283,7 @@ class FusedMLP(nn.Module):
         return list(rows)
 
     def variants(self) -> tuple[tuple | None, tuple | None]:
-        """The (forward, backward) kernel variants the GPU path runs on the parameters' device: the overrides, else
+        """The (inference, training) kernel variants the GPU path runs on the parameters' device: the overrides, else
         tune()'s choice for this device and compute dtype, else None (the heuristic default)."""
         device, compute = self._gpu_target()
         tuned = self._tuned.get((device.index or 0, compute), (None, None))
@@ -305,8 +309,8 @@ class FusedMLP(nn.Module):
     def engine(self, device: torch.device, compute_dtype: torch.dtype, variant: tuple | None = None):
         """The generated kernels for this MLP on `device` (compiled or loaded from the cache on first use).
 
-        `variant`: None for the heuristic default, else (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad])
-        as in kfuse::MlpVariant (include/kfuse/mlp.h)."""
+        `variant`: None for the heuristic default, else (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[,
+        wgmma]]) as in kfuse::MlpVariant (include/kfuse/mlp.h)."""
         key = (device.index or 0, compute_dtype, variant)
         e = self._engines.get(key)
         if e is None:

@@ -29,6 +29,9 @@ constexpr int kMaxLayers = MlpSpec::kMaxHiddenLayers + 1;
 // The fixed device helpers every module starts with (mlp_device_library.cpp).
 const char* mlp_device_library();
 
+// The name of layer l's activation functor in the generated source (f(x) and df(x, y) as static members).
+inline std::string activation_struct_name(int layer) { return "ActL" + std::to_string(layer); }
+
 // Which kernels a module holds: the forward part (pack, forward, forward_train) is compiled when the MLP is
 // created; the backward part (backward, backward_dx, wgrad_reduce) separately, so that an inference-only MLP never
 // waits for it.

@@ -108,20 +108,22 @@ __device__ __forceinline__ void copy_tile(u32 dst, const u16* src) {
   }
 }
 
-// All threads copy rows [row0, row0 + ROWS) of a (batch x WIDTH) array into a shared tile of COLS columns (WIDTH
-// rounded up to 16) with rows STRIDE halves apart, zero beyond the batch and beyond WIDTH: zeros, not stale data,
-// because the tile is an mma operand summed over all its rows. 16-byte pieces inside the array go by cp.async
-// (WIDTH % 8 == 0 keeps them 16-byte aligned); the rest (an input width that is not a multiple of 8) by plain
-// loads, visible after the caller's next barrier like the cp.async pieces after its wait.
+// THREADS threads (tid = 0 .. THREADS - 1: the CTA's, or one warp's lanes) copy rows [row0, row0 + ROWS) of a
+// (batch x WIDTH) array into a shared tile of COLS columns (WIDTH rounded up to 16) with rows STRIDE halves apart,
+// zero beyond the batch and beyond WIDTH: zeros, not stale data, because the tile is an mma operand summed over all
+// its rows. 16-byte pieces inside the array go by cp.async (WIDTH % 8 == 0 keeps them 16-byte aligned); the rest
+// (an input width that is not a multiple of 8) by plain loads, visible after the caller's next barrier like the
+// cp.async pieces after its wait.
 template <int ROWS, int WIDTH, int COLS, int STRIDE, int THREADS>
-__device__ __forceinline__ void copy_rows_zero_fill(u32 dst, const u16* __restrict__ src, i64 row0, i64 batch) {
+__device__ __forceinline__ void copy_rows_zero_fill(u32 dst, const u16* __restrict__ src, i64 row0, i64 batch,
+                                                    int tid) {
   constexpr int PIECES = COLS / 8;
   // 32-bit arithmetic inside the tile (the 64-bit parts once): keeps the unrolled copy's registers few.
   const u16* base = src + row0 * WIDTH;
   const int rows = static_cast<int>(min(static_cast<i64>(ROWS), batch - row0));
 #pragma unroll
   for (int it = 0; it < (ROWS * PIECES + THREADS - 1) / THREADS; ++it) {
-    const int i = threadIdx.x + it * THREADS;
+    const int i = tid + it * THREADS;
     if ((ROWS * PIECES) % THREADS != 0 && i >= ROWS * PIECES) break;
     const int r = i / PIECES, c = (i % PIECES) * 8;
     const u32 d = dst + (r * STRIDE + c) * 2;

@@ -52,4 +52,19 @@ int64_t forward_stage_bytes_per_warp(const MlpSpec& spec, const MlpVariant& v) {
   return int64_t(16) * v.m_tiles * forward_stage_ld(spec) * 2;
 }
 
+WgmmaForwardLayout wgmma_forward_layout(const MlpSpec& spec, const MlpVariant& v) {
+  WgmmaForwardLayout w;
+  int64_t at = 0;
+  for (int l = 0; l < spec.num_layers(); ++l) {
+    w.weight_offset.push_back(at);
+    at += int64_t(spec.layer_out_padded(l)) * spec.layer_in_padded(l) * 2;  // multiples of 512 bytes
+  }
+  w.x_tile_offset = at;
+  w.x_tile_ld = spec.layer_in_padded(0) + 8;
+  w.x_tile_bytes_per_warp = int64_t(16) * v.m_tiles * w.x_tile_ld * 2;
+  w.stage_offset = w.x_tile_offset + v.warps * w.x_tile_bytes_per_warp;
+  w.smem_bytes = w.stage_offset + v.warps * forward_stage_bytes_per_warp(spec, v);
+  return w;
+}
+
 }  // namespace kfuse::codegen

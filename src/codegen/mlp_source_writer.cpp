@@ -15,6 +15,7 @@
 
 #include "codegen/mlp_codegen.h"
 #include "codegen/mlp_layout.h"
+#include "codegen/mlp_wgmma_forward.h"
 #include "codegen/mlp_wgrad_plan.h"
 #include "kfuse/error.h"
 
@@ -114,7 +115,7 @@ class KernelWriter {
   int64_t region_bytes_ = 0, buffer_bytes_ = 0;
 };
 
-std::string act_struct(int layer) { return cat("ActL", layer); }
+std::string act_struct(int layer) { return activation_struct_name(layer); }
 
 void write_activation(std::ostringstream& os, const std::string& struct_name, const Activation& a) {
   os << "// activation '" << a.name << "'\n"
@@ -149,7 +150,24 @@ void write_pack_kernel(std::ostringstream& os, const MlpSpec& s, const MlpLayout
   os << "}\n\n";
 }
 
+void write_forward_kernels(std::ostringstream& os) {
+  os << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward(FwdParams p) { "
+        "forward_body<false>(p); }\n"
+     << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward_train(FwdParams p) { "
+        "forward_body<true>(p); }\n\n";
+}
+
+const char* const kFwdParams =
+    "struct FwdParams { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; "
+    "i64 num_blocks; };\n\n";
+
 void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m) {
+  if (v.wgmma) {
+    os << kFwdParams;
+    write_wgmma_forward_body(os, s, v, m);
+    write_forward_kernels(os);
+    return;
+  }
   const int L = s.num_layers();
   std::vector<Gemm> gemms;
   for (int l = 0; l < L; ++l)
@@ -166,9 +184,7 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
     return cat("store_c_staged<", width, ", ", stage_ld, ">(", acc, ", ", out,
                ", row - (lane >> 2), p.batch, stage, lane);");
   };
-  os << "struct FwdParams { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; "
-        "i64 num_blocks; };\n\n"
-     << "template <bool TRAIN>\n__device__ __forceinline__ void forward_body(const FwdParams& p) {\n";
+  os << kFwdParams << "template <bool TRAIN>\n__device__ __forceinline__ void forward_body(const FwdParams& p) {\n";
   w.prologue();
   os << "    const u32 stage = smem + " << w.smem_bytes() << "u + warp * " << forward_stage_bytes_per_warp(s, v)
      << "u;\n";
@@ -195,11 +211,8 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
     }
   }
   w.epilogue();
-  os << "}\n"
-     << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward(FwdParams p) { "
-        "forward_body<false>(p); }\n"
-     << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward_train(FwdParams p) { "
-        "forward_body<true>(p); }\n\n";
+  os << "}\n";
+  write_forward_kernels(os);
 }
 
 // The fused weight gradients (MlpVariant::fused_wgrad, codegen/mlp_wgrad_plan.h): what the backward kernel adds
@@ -294,9 +307,9 @@ class WgradWriter {
     const int in_p = s_.layer_in_padded(l);
     if (l == 0)
       return cat("copy_rows_zero_fill<ROWS, ", s_.input_width, ", ", in_p, ", ", in_p + 8, ", THREADS>(", dst,
-                 ", p.x, ", row0, ", p.batch);");
+                 ", p.x, ", row0, ", p.batch, threadIdx.x);");
     return cat("copy_rows_zero_fill<ROWS, ", in_p, ", ", in_p, ", ", in_p + 8, ", THREADS>(", dst, ", p.stash + ",
-               m_.stash_h_offset[l - 1], " * p.batch, ", row0, ", p.batch);");
+               m_.stash_h_offset[l - 1], " * p.batch, ", row0, ", p.batch, threadIdx.x);");
   }
 
   std::ostringstream& os_;
@@ -404,8 +417,9 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
      << (part == MlpModulePart::kForward ? ", forward" : part == MlpModulePart::kBackward ? ", backward" : "")
      << " (generated)\n"
      << "#define KFUSE_BF16 " << (spec.dtype == MlpDType::kBFloat16 ? 1 : 0) << "\n"
-     << mlp_device_library() << "\n"
-     << "constexpr int MT = " << variant.m_tiles << ";\n"
+     << mlp_device_library() << "\n";
+  if (fwd && variant.wgmma) write_wgmma_library(os, spec);  // sm_90a only: the backward part does without
+  os << "constexpr int MT = " << variant.m_tiles << ";\n"
      << "constexpr int WARPS = " << variant.warps << ";\n"
      << "constexpr int THREADS = WARPS * 32;\n"
      << "constexpr int ROWS = WARPS * 16 * MT;\n\n";

@@ -82,18 +82,24 @@ void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
                 " accumulators per thread, more than the ", codegen::kMaxWgradAccumulatorFloats,
                 " that fit; use fused_wgrad = false or more warps");
   }
+  if (v.wgmma) {
+    KFUSE_CHECK(v.weights_resident, InvalidArgument, "variant ", v.name(), ": the wgmma forward needs resident weights");
+    KFUSE_CHECK(v.warps % 4 == 0, InvalidArgument, "variant ", v.name(),
+                ": the wgmma forward needs whole warpgroups (warps a multiple of 4), got ", v.warps, " warps");
+  }
 }
 
 std::string MlpVariant::name() const {
   std::ostringstream os;
   os << "mt" << m_tiles << "_w" << warps << (weights_resident ? "_resident" : "_stream" + std::to_string(k_chunk))
-     << (fused_wgrad ? "_fw" : "");
+     << (fused_wgrad ? "_fw" : "") << (wgmma ? "_wg" : "");
   return os.str();
 }
 
 // Shared-memory rows are padded by 8 halves (16 bytes) so that ldmatrix's eight row addresses fall into distinct
 // bank groups (row strides of 16 * odd bytes).
 size_t mlp_forward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
+  if (v.wgmma) return static_cast<size_t>(codegen::wgmma_forward_layout(s, v).smem_bytes);
   size_t total = 0, chunk = 0;
   for (int l = 0; l < s.num_layers(); ++l) {
     const size_t n = s.layer_out_padded(l), k = s.layer_in_padded(l);
@@ -162,13 +168,16 @@ bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_
          fits(spec, f, smem_optin);
 }
 
-std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin) {
+std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin, bool hopper) {
   std::vector<MlpVariant> out{mlp_default_variant(spec, smem_optin)};
   for (int mt : {1, 2})
-    for (int warps : {4, 8})
+    for (int warps : {4, 8, 16})
       for (int kc : {0, 32, 64}) {
         MlpVariant v{mt, warps, kc == 0, kc == 0 ? 64 : kc};
         if (mt == 2 && max_width(spec) > 128) continue;  // would spill registers
+        // 16 warps (128 registers per thread at most): one row tile, resident weights, widths up to 64; more warps
+        // per SM hide the latency of the fused backward, which runs one CTA per SM.
+        if (warps == 16 && (mt == 2 || kc != 0 || max_width(spec) > 64)) continue;
         if (!fits(spec, v, smem_optin)) continue;
         for (bool fused : {false, true}) {
           v.fused_wgrad = fused;
@@ -176,6 +185,19 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
           if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
         }
       }
+  if (hopper) {
+    // The wgmma forward: whole warpgroups, resident weights (its backward is the mma.sync one: no fused_wgrad
+    // variants of it, they would time the same backward twice).
+    for (int mt : {1, 2})
+      for (int warps : {4, 8, 16}) {
+        MlpVariant v{mt, warps, true, 64};
+        v.wgmma = true;
+        if (warps == 16 && (mt == 2 || max_width(spec) > 64)) continue;
+        // Two chains hold two layers' accumulators each: past width 64 ptxas spills and serializes the wgmmas.
+        if (mt == 2 && max_width(spec) > 64) continue;
+        if (fits(spec, v, smem_optin)) out.push_back(v);
+      }
+  }
   return out;
 }
 

@@ -78,10 +78,13 @@ struct ModuleBinary {
   MlpBuildInfo info;
 };
 
-ModuleBinary build_binary(const std::string& source, const DeviceInfo& dev) {
+// `arch_specific`: the source uses sm_90a's wgmma (MlpVariant::wgmma), compiled for sm_90a instead of the
+// device's portable target.
+ModuleBinary build_binary(const std::string& source, const DeviceInfo& dev, bool arch_specific = false) {
   const auto t_start = Clock::now();
   ModuleBinary b;
-  codegen::KernelCacheKey key{codegen::fnv1a64_hex(source), codegen::nvrtc_target_for(dev.major, dev.minor),
+  codegen::KernelCacheKey key{codegen::fnv1a64_hex(source),
+                              arch_specific ? std::string("sm_90a") : codegen::nvrtc_target_for(dev.major, dev.minor),
                               codegen::nvrtc_version(), codegen::nvrtc_options_string()};
   b.registry_key = key.str() + "|dev" + std::to_string(dev.index);
   b.info.arch = key.arch;
@@ -237,6 +240,9 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
   m.smem_optin = static_cast<size_t>(optin);
   m.variant = variant.m_tiles == 0 ? mlp_default_variant(spec, m.smem_optin) : variant;
   validate_variant(spec, m.variant);  // before anything divides by its fields
+  KFUSE_CHECK(!m.variant.wgmma || (m.dev.major == 9 && m.dev.minor == 0), Unsupported, "MLP variant ",
+              m.variant.name(), ": the wgmma forward needs a compute capability 9.0 device (Hopper); ", m.dev.name,
+              " has ", m.dev.major, ".", m.dev.minor);
   m.layout = codegen::mlp_layout(spec);
   m.forward_smem = mlp_forward_smem_bytes(spec, m.variant);
   m.backward_smem = mlp_backward_smem_bytes(spec, m.variant);
@@ -258,7 +264,8 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
     m.backward_ctas_per_sm_bound = std::max(
         1, std::min({max_blocks, max_threads / (m.variant.warps * 32), static_cast<int>(smem_per_sm / per_cta)}));
   }
-  ModuleBinary fwd = build_binary(codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kForward), m.dev);
+  ModuleBinary fwd = build_binary(codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kForward),
+                                  m.dev, m.variant.wgmma);
   m.forward_kernels = load_module(fwd, {"kfuse_mlp_forward", "kfuse_mlp_forward_train"}, {"kfuse_mlp_pack"},
                                   m.variant.warps * 32, m.forward_smem, m.variant.name());
   m.info = fwd.info;

@@ -1,9 +1,10 @@
-// The fused MLP's kernel variants through the generic tuner (kfuse/tuner.h): the forward and the backward are two
-// ops, each timed over the candidate variants (mlp_candidate_variants) on random weights and inputs of the tuned
-// batch, checked against the heuristic default's output, cached per device / spec / batch. They are chosen
-// separately: the packed weights, the stash and every buffer between them are the same for every variant, so a
-// forward of one variant feeds the backward of another (e.g. the forward's best row tiling and the backward's
-// fused weight gradients, which need more warps).
+// The fused MLP's kernel variants through the generic tuner (kfuse/tuner.h): the inference forward ("mlp_forward")
+// and the training step ("mlp_train": training forward + backward of one variant) are two ops, each timed over the
+// candidate variants (mlp_candidate_variants) on random weights and inputs of the tuned batch, checked against the
+// heuristic default's output, cached per device / spec / batch. They are chosen separately: the packed weights,
+// the stash and every buffer between them are the same for every variant, so inference can take the forward's
+// best tiling (e.g. a wgmma forward) while training takes the variant whose stash-writing forward and backward are
+// fastest together (e.g. fused weight gradients, which need more warps).
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -53,7 +54,13 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
   int optin = 0;
   check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
              "cudaDeviceGetAttribute(shared memory)");
-  const std::vector<MlpVariant> all = mlp_candidate_variants(spec, size_t(optin));
+  int cc_major = 0, cc_minor = 0;
+  check_cuda(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device),
+             "cudaDeviceGetAttribute(compute capability)");
+  check_cuda(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device),
+             "cudaDeviceGetAttribute(compute capability)");
+  const std::vector<MlpVariant> all =
+      mlp_candidate_variants(spec, size_t(optin), /*hopper=*/cc_major == 9 && cc_minor == 0);
   KFUSE_CHECK(!all.empty(), InvalidArgument, "no kernel variant can run ", spec.to_string());
   const std::vector<MlpVariant> fwd = forward_candidates(all);
   const kernels::ConvDType dt = storage(spec.dtype);
@@ -65,7 +72,7 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
   };
   const std::vector<std::string> fwd_names = names_of(fwd), bwd_names = names_of(all);
   TuningKey fwd_key = device_tuning_key("mlp_forward", shape, dt, fwd_names);
-  TuningKey bwd_key = device_tuning_key("mlp_backward", shape, dt, bwd_names);
+  TuningKey bwd_key = device_tuning_key("mlp_train", shape, dt, bwd_names);
   fwd_key.layout = bwd_key.layout = "row_major";
 
   // Engines and random data, built on first need (cached choices need neither). A forward candidate runs on the
@@ -154,7 +161,10 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
   {
     auto make_timer = [&] {
       Data& d = prepare();
+      // A training step's kernels: the candidate's training forward (its stash) and its backward.
       auto launch = [&](size_t i, cudaStream_t s) {
+        engine_at(i).forward_train(d.packed->p, d.x->p, d.y->p, d.stash->p, batch,
+                                   reinterpret_cast<FusedMlp::Stream>(s));
         engine_at(i).backward(d.packed->p, d.x->p, d.y->p, d.dy->p, d.stash->p, d.ws->p,
                                 static_cast<float*>(d.grads->p), nullptr, batch,
                                 reinterpret_cast<FusedMlp::Stream>(s));

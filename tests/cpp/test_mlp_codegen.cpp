@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -148,6 +149,38 @@ TEST(MlpVariants, NamesAreStable) {
   EXPECT_EQ((MlpVariant{1, 8, false, 32}).name(), "mt1_w8_stream32");
   EXPECT_EQ((MlpVariant{1, 8, true, 64, true}).name(), "mt1_w8_resident_fw");
   EXPECT_NE((MlpVariant{1, 8, true, 64, true}), (MlpVariant{1, 8, true, 64, false}));
+  EXPECT_EQ((MlpVariant{2, 8, true, 64, false, true}).name(), "mt2_w8_resident_wg");
+  EXPECT_EQ((MlpVariant{1, 8, true, 64, true, true}).name(), "mt1_w8_resident_fw_wg");
+}
+
+TEST(MlpVariants, WgmmaNeedsResidentWeightsAndWholeWarpgroups) {
+  const MlpSpec s = make_spec(32, {64, 64, 64, 64}, 16);
+  EXPECT_NO_THROW(validate_variant(s, {1, 4, true, 64, false, true}));
+  EXPECT_NE(error_of([&] { validate_variant(s, {1, 4, false, 64, false, true}); })
+                .find("wgmma forward needs resident weights"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { validate_variant(s, {1, 6, true, 64, false, true}); })
+                .find("whole warpgroups (warps a multiple of 4), got 6"),
+            std::string::npos);
+  // Candidates: wgmma forwards only for Hopper, and only where the weights fit (not at width 256).
+  auto count_wgmma = [](const std::vector<MlpVariant>& c) {
+    return std::count_if(c.begin(), c.end(), [](const MlpVariant& v) { return v.wgmma; });
+  };
+  EXPECT_EQ(count_wgmma(mlp_candidate_variants(s, 227 * 1024)), 0);
+  EXPECT_EQ(count_wgmma(mlp_candidate_variants(s, 227 * 1024, true)), 5);
+  EXPECT_EQ(count_wgmma(mlp_candidate_variants(make_spec(32, {256, 256, 256, 256}, 16), 227 * 1024, true)), 0);
+  const MlpSpec w128 = make_spec(32, {128, 128, 128, 128}, 16);
+  EXPECT_EQ(count_wgmma(mlp_candidate_variants(w128, 227 * 1024, true)), 2) << "one chain per warpgroup past 64";
+  for (const MlpVariant& v : mlp_candidate_variants(w128, 227 * 1024, true))
+    EXPECT_LE(mlp_forward_smem_bytes(w128, v), 227u * 1024) << v.name();
+  // Its shared memory: unpadded weights, then per warp an x tile and a staging area.
+  const codegen::WgmmaForwardLayout w = codegen::wgmma_forward_layout(s, {2, 8, true, 64, false, true});
+  EXPECT_EQ(w.weight_offset, (std::vector<int64_t>{0, 64 * 32 * 2, 64 * 32 * 2 + 64 * 64 * 2,
+                                                   64 * 32 * 2 + 2 * 64 * 64 * 2, 64 * 32 * 2 + 3 * 64 * 64 * 2}));
+  EXPECT_EQ(w.x_tile_offset, 64 * 32 * 2 + 3 * 64 * 64 * 2 + 16 * 64 * 2);
+  EXPECT_EQ(w.x_tile_bytes_per_warp, 32 * (32 + 8) * 2);
+  EXPECT_EQ(w.smem_bytes, w.x_tile_offset + 8 * 32 * 40 * 2 + 8 * 32 * 72 * 2);
+  EXPECT_EQ(mlp_forward_smem_bytes(s, {2, 8, true, 64, false, true}), size_t(w.smem_bytes));
 }
 
 TEST(MlpVariants, FusedWeightGradientsWhereTheAccumulatorsFit) {
@@ -304,6 +337,14 @@ std::vector<CompileCase> compile_cases() {
   MlpSpec in24 = make_spec(24, {32, 32}, 8, "tanh");
   cases.push_back({"fused_in24_out8_sm80", in24, {2, 4, true, 64, true}, "compute_80"});
   cases.push_back({"fused_all_activations_user_sm90", acts, {1, 8, true, 64, true}, "compute_90"});
+  // The wgmma forward (sm_90a): two chains per warpgroup at the bench's width 64, one at 128, odd input/output
+  // widths with bf16, a stashed pre-activation (gelu) and missing biases, beside fused weight gradients.
+  cases.push_back({"wgmma_w64_mt2_cubin_sm90a", make_spec(32, {64, 64, 64, 64}, 16), {2, 8, true, 64, false, true},
+                   "sm_90a"});
+  cases.push_back({"wgmma_w128_mt1_sm90a", make_spec(32, {128, 128, 128, 128}, 16), {1, 8, true, 64, false, true},
+                   "compute_90a"});
+  cases.push_back({"wgmma_mixed_bf16_sm90a", mixed, {2, 4, true, 64, false, true}, "compute_90a"});
+  cases.push_back({"wgmma_fused_odd_io_bf16_sm90a", odd, {1, 8, true, 64, true, true}, "compute_90a"});
   return cases;
 }
 
@@ -326,6 +367,7 @@ TEST_P(MlpSourceCompiles, WithNvrtc) {
     EXPECT_EQ(p.binary.find("ldmatrix.sync.aligned.m8n8.x4.trans") != std::string::npos, c.variant.fused_wgrad)
         << c.label;
     EXPECT_NE(p.binary.find(c.spec.dtype == MlpDType::kBFloat16 ? ".bf16.bf16" : ".f16.f16"), std::string::npos);
+    EXPECT_EQ(p.binary.find("wgmma.mma_async.sync.aligned.m64n") != std::string::npos, c.variant.wgmma) << c.label;
     if (!c.variant.weights_resident) EXPECT_NE(p.binary.find("cp.async"), std::string::npos);
     // Everything stays in registers: no local-memory arrays.
     EXPECT_EQ(p.binary.find(".local"), std::string::npos) << c.label << " spills fragment arrays to local memory";

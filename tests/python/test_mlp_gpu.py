@@ -136,6 +136,53 @@ def test_both_weight_gradient_paths_agree_with_the_reference(case, fused):
         check_forward_backward(m, torch.randn(batch, c["in_w"], device="cuda"), c["dtype"])
 
 
+def is_hopper():
+    return torch.cuda.get_device_capability(0) == (9, 0)
+
+
+# The wgmma forward (sm_90a): two chains per warpgroup at width 64, one past it, odd input/output widths, bf16, a
+# stashed pre-activation (gelu), layers without bias; forward, training forward (its stash feeds the mma.sync
+# backward) and every gradient.
+WGMMA_CASES = {
+    "w64_mt2_w8": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
+                       variant=(2, 8, True, 64, False, True)),
+    "w128_mt1_w8": dict(in_w=32, hidden=[128] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
+                        variant=(1, 8, True, 64, False, True)),
+    "odd_io_silu_bf16_mt1_w4": dict(in_w=3, hidden=[48, 16, 80], out_w=5, act="silu", dtype=torch.bfloat16,
+                                    bias=[True, False, True, False], variant=(1, 4, True, 64, False, True)),
+    "gelu_mixed_mt2_w4_fw": dict(in_w=19, hidden=[64, 48, 32], out_w=7, act="gelu", dtype=torch.float16, bias=True,
+                                 variant=(2, 4, True, 64, True, True)),
+}
+
+
+@pytest.mark.parametrize("case", list(WGMMA_CASES))
+def test_wgmma_forward_agrees_with_the_reference(case):
+    if not is_hopper():
+        pytest.skip("wgmma needs a compute capability 9.0 GPU")
+    c = WGMMA_CASES[case]
+    m = make(c["in_w"], c["hidden"], c["out_w"], act=c["act"], dtype=c["dtype"], seed=5, bias=c["bias"])
+    engine = m.engine(torch.device("cuda", 0), c["dtype"], c["variant"])
+    assert engine.build_info["variant"].endswith("_wg") and engine.build_info["arch"] == "sm_90a"
+    m._engines[(0, c["dtype"], None)] = engine  # forward() and backward use this variant
+    for batch in [1, 127, 65539]:
+        x = torch.randn(batch, c["in_w"], device="cuda")
+        with torch.no_grad():
+            y = m(x.to(c["dtype"]))
+            _, y64 = reference(m, x, torch.float64)
+            _, yh = reference(m, x, c["dtype"])
+        assert rel(y, y64) <= max(TOL[c["dtype"]], 4 * rel(yh, y64)), f"inference forward, batch {batch}"
+        m.zero_grad(set_to_none=True)
+        check_forward_backward(m, x, c["dtype"])
+
+
+def test_wgmma_variant_needs_hopper():
+    if is_hopper():
+        pytest.skip("runs on GPUs other than compute capability 9.0")
+    m = make(32, [64] * 2, 16)
+    with pytest.raises(NotImplementedError, match="wgmma forward needs a compute capability 9.0"):
+        m.engine(torch.device("cuda", 0), torch.float16, (1, 4, True, 64, False, True))
+
+
 def test_fused_weight_gradients_are_deterministic():
     m = make(32, [64] * 4, 16, seed=6)
     engine = m.engine(torch.device("cuda", 0), torch.float16, (1, 8, True, 64, True))
@@ -311,20 +358,22 @@ def test_compile_and_cache_load_times_are_reported():
 
 
 def test_tune_chooses_checked_variants_and_caches_them(tmp_path, monkeypatch):
-    """FusedMLP.tune times every candidate variant of the forward and of the backward, keeps the choice in the
-    tuning cache (a second call times nothing), and the chosen pair (possibly two different variants) computes
-    what the float64 reference computes."""
+    """FusedMLP.tune times every candidate variant of the forward and of the training step (training forward +
+    backward), keeps the choice in the tuning cache (a second call times nothing), and the chosen pair (possibly two
+    different variants) computes what the float64 reference computes."""
     monkeypatch.setenv("KFUSE_CACHE_DIR", str(tmp_path))
     m = make(8, [32, 48], 5, act="silu", seed=7)
     rows = m.tune(4099)
-    assert [r["op"] for r in rows] == ["mlp_forward", "mlp_backward"]
+    assert [r["op"] for r in rows] == ["mlp_forward", "mlp_train"]
     for r in rows:
         assert not r["from_cache"] and len(r["candidates"]) >= 2, r
         assert not any(c["rejected"] for c in r["candidates"]), r  # every variant computes the same MLP
         assert r["choice"] in [c["name"] for c in r["candidates"]], r
     fwd, bwd = m.variants()
-    assert len(fwd) == 5 and len(bwd) == 5
+    assert len(fwd) == 6 and len(bwd) == 6  # (m_tiles, warps, weights_resident, k_chunk, fused_wgrad, wgmma)
     assert fwd[4] is False  # the forward ignores fused_wgrad: its candidates are listed without it
+    wgmma_candidates = [c["name"] for c in rows[0]["candidates"] if c["name"].endswith("_wg")]
+    assert bool(wgmma_candidates) == is_hopper(), wgmma_candidates
     again = make(8, [32, 48], 5, act="silu", seed=7)
     rows2 = again.tune(4099)
     assert all(r["from_cache"] for r in rows2)

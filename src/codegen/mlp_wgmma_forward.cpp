@@ -1,0 +1,171 @@
+#include "codegen/mlp_wgmma_forward.h"
+
+#include <set>
+#include <string>
+
+#include "codegen/mlp_codegen.h"
+
+namespace kfuse::codegen {
+
+void write_wgmma_library(std::ostringstream& os, const MlpSpec& spec) {
+  os << R"KFUSE(
+// Hopper warpgroup MMA (wgmma). The four warps of a warpgroup issue each instruction together: it multiplies 64
+// rows (16 per warp; the A fragments in registers exactly as mma.sync's m16n8k16 A operand) by a K = 16 slice of
+// the weights in shared memory (a matrix descriptor) into N columns of fp32 accumulators, which a warp holds as N / 8
+// mma.sync C tiles of its 16 rows. Asynchronous: committed in groups and waited for by count.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+// After the wait that completes them: keeps the compiler from reading the accumulators any earlier.
+template <int NT>
+__device__ __forceinline__ void wgmma_fence_acc(float (&d)[1][NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[0][j][e])::"memory");
+}
+// The descriptor of a weight matrix of K columns in the core-matrix layout at shared address `addr`: leading byte
+// offset 128 (the next 8 columns), stride byte offset K * 16 (the next 8 rows), no swizzle; all in 16-byte units.
+__device__ __forceinline__ unsigned long long wgmma_desc(u32 addr, int k) {
+  return static_cast<unsigned long long>((addr >> 4) & 0x3fffu) | (8ull << 16) |
+         (static_cast<unsigned long long>(k) << 32);
+}
+// All threads copy an N x K weight matrix (rows SRC_LD halves apart: the packed forward region) into the
+// core-matrix layout: the 16-byte piece (row r, columns 8c..) to core matrix (r / 8, c), row r % 8.
+template <int N, int K, int SRC_LD, int THREADS>
+__device__ __forceinline__ void copy_core_matrices(u32 dst, const u16* src) {
+  constexpr int PIECES = K / 8;
+  for (int i = threadIdx.x; i < N * PIECES; i += THREADS) {
+    const int r = i / PIECES, c = i % PIECES;
+    cp_async16(dst + ((r >> 3) * PIECES + c) * 128 + (r & 7) * 16, src + r * SRC_LD + c * 8);
+  }
+}
+// A warp's A fragments of 16 rows x 16 KT columns from a shared tile with rows LD halves apart (ldmatrix: lanes
+// 0-15 address rows 0-15 of a slice's left 8 columns, lanes 16-31 those of its right 8).
+template <int LD, int KT>
+__device__ __forceinline__ void load_a_tile(u32 (&a)[1][KT][4], u32 tile, int lane) {
+  const u32 base = tile + ((lane & 15) * LD + ((lane >> 4) << 3)) * 2;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) ldsm4(base + kt * 32, a[0][kt][0], a[0][kt][1], a[0][kt][2], a[0][kt][3]);
+}
+)KFUSE";
+  std::set<int> widths;
+  for (int l = 0; l < spec.num_layers(); ++l) widths.insert(spec.layer_out_padded(l));
+  for (int n : widths) {
+    const int regs = n / 2;
+    os << "__device__ __forceinline__ void wgmma_mma(float (&d)[1][" << n / 8
+       << "][4], const u32 (&a)[4], unsigned long long desc) {\n"
+       << "  asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 5 << ", 0;\\n\"\n"
+       << "      \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32.\" KFUSE_MMA_TYPE \".\" KFUSE_MMA_TYPE \" {";
+    for (int i = 0; i < regs; ++i) os << (i ? "," : "") << "%" << i;
+    os << "}, {%" << regs << ",%" << regs + 1 << ",%" << regs + 2 << ",%" << regs + 3 << "}, %" << regs + 4
+       << ", p, 1, 1, 0;\\n}\\n\"\n      : ";
+    for (int i = 0; i < regs; ++i) os << (i ? ", " : "") << "\"+f\"(d[0][" << i / 4 << "][" << i % 4 << "])";
+    os << "\n      : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(1));\n}\n";
+  }
+  os << R"KFUSE(// One layer of a chain: every K = 16 slice (the next slice's two core matrices are 256 bytes further).
+template <int NT, int KT>
+__device__ __forceinline__ void wgmma_layer(float (&d)[1][NT][4], const u32 (&a)[1][KT][4], unsigned long long desc) {
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) wgmma_mma(d, a[0][kt], desc + static_cast<unsigned long long>(kt * 16));
+}
+
+)KFUSE";
+}
+
+void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m) {
+  const int L = s.num_layers(), MT = v.m_tiles;
+  const WgmmaForwardLayout w = wgmma_forward_layout(s, v);
+  const int in_p = s.layer_in_padded(0), stage_ld = forward_stage_ld(s);
+  const std::string x_copy = "copy_rows_zero_fill<16 * MT, " + std::to_string(s.input_width) + ", " +
+                             std::to_string(in_p) + ", " + std::to_string(w.x_tile_ld) + ", 32>(xtile, p.x, ";
+  auto acc_name = [](int l, int c) { return "acc" + std::to_string(l) + "_" + std::to_string(c); };
+  // A layer's accumulators start as its bias. They are loaded before the wait for the layer's input (the previous
+  // layer's wgmma, or layer 0's x tile): that wait's memory clobber would otherwise hold the loads, and their
+  // latency, between the wait and the next issue.
+  auto init = [&](int l, int c) {
+    const std::string acc = acc_name(l, c);
+    os << "    float " << acc << "[1][" << s.layer_out_padded(l) / 8 << "][4];\n"
+       << "    init_acc<" << (s.has_bias(l) ? "true" : "false") << ">(" << acc << ", p.bias + " << m.bias_offset[l]
+       << ", q);\n";
+  };
+  auto issue = [&](int l, int c) {
+    os << "    wgmma_fence();\n"
+       << "    wgmma_layer(" << acc_name(l, c) << ", a" << l << "_" << c << ", desc" << l << ");\n"
+       << "    wgmma_commit();\n";
+  };
+  auto staged = [&](int width, const std::string& acc, const std::string& out, int c) {
+    return "store_c_staged<" + std::to_string(width) + ", " + std::to_string(stage_ld) + ">(" + acc + ", " + out +
+           ", row - (lane >> 2) + " + std::to_string(16 * c) + ", p.batch, stage, lane);";
+  };
+
+  os << "template <bool TRAIN>\n__device__ __forceinline__ void forward_body(const FwdParams& p) {\n"
+     << "  extern __shared__ __align__(128) unsigned char kfuse_smem[];\n"
+     << "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;\n"
+     << "  const u32 smem = smem_addr(kfuse_smem);\n"
+     << "  // the weights, once: packed rows -> core matrices\n";
+  for (int l = 0; l < L; ++l)
+    os << "  copy_core_matrices<" << s.layer_out_padded(l) << ", " << s.layer_in_padded(l) << ", "
+       << s.layer_in_padded(l) + 8 << ", THREADS>(smem + " << w.weight_offset[l] << "u, p.w + "
+       << m.fwd_weight_offset[l] << ");\n";
+  for (int l = 0; l < L; ++l)
+    os << "  const unsigned long long desc" << l << " = wgmma_desc(smem + " << w.weight_offset[l] << "u, "
+       << s.layer_in_padded(l) << ");\n";
+  os << "  // the warp's x tile (its 16 * MT rows of the next row block) and store staging area\n"
+     << "  const u32 xtile = smem + " << w.x_tile_offset << "u + warp * " << w.x_tile_bytes_per_warp << "u;\n"
+     << "  const u32 stage = smem + " << w.stage_offset << "u + warp * " << forward_stage_bytes_per_warp(s, v)
+     << "u;\n"
+     << "  if (blockIdx.x < p.num_blocks) " << x_copy << "blockIdx.x * ROWS + warp * (16 * MT), p.batch, lane);\n"
+     << "  cp_async_commit();\n  cp_async_wait_all();\n  __syncthreads();\n"
+     << "  for (i64 blk = blockIdx.x; blk < p.num_blocks; blk += gridDim.x) {\n"
+     << "    const i64 row = blk * ROWS + warp * (16 * MT) + (lane >> 2);\n";
+  for (int c = 0; c < MT; ++c) init(0, c);
+  os << "    cp_async_wait_all();\n    __syncwarp();  // this row block's x tile landed\n";
+  for (int c = 0; c < MT; ++c)
+    os << "    u32 a0_" << c << "[1][" << in_p / 16 << "][4];\n    load_a_tile<" << w.x_tile_ld << ">(a0_" << c
+       << ", xtile + " << c * 16 * w.x_tile_ld * 2 << "u, lane);\n";
+  os << "    __syncwarp();  // the tile is free: the next row block's x goes into it while the chains run\n"
+     << "    if (blk + gridDim.x < p.num_blocks) " << x_copy
+     << "(blk + gridDim.x) * ROWS + warp * (16 * MT), p.batch, lane);\n"
+     << "    cp_async_commit();\n";
+  for (int c = 0; c < MT; ++c) {
+    os << "    // layer 0, chain " << c << "\n";
+    issue(0, c);
+  }
+  for (int l = 0; l < L; ++l) {
+    const int n = s.layer_out_padded(l);
+    const Activation& act = s.layer_activation(l);
+    for (int c = 0; c < MT; ++c) {
+      const std::string acc = acc_name(l, c);
+      // Groups complete in commit order; those committed after this one may stay pending: the other chains' groups
+      // of this layer and of the next (none after the last layer).
+      const int pending = l < L - 1 ? MT - 1 : MT - 1 - c;
+      os << "    // layer " << l << " (" << s.layer_in(l) << " -> " << s.layer_out(l) << ", " << act.name
+         << "), chain " << c << "\n";
+      if (l < L - 1) init(l + 1, c);
+      os << "    wgmma_wait<" << pending << ">();\n"
+         << "    wgmma_fence_acc(" << acc << ");\n";
+      if (m.stash_z_offset[l] >= 0)
+        os << "    if (TRAIN) " << staged(n, acc, "p.stash + " + std::to_string(m.stash_z_offset[l]) + " * p.batch", c)
+           << "\n";
+      if (!act.is_identity()) os << "    apply_act<" << activation_struct_name(l) << ">(" << acc << ");\n";
+      if (l < L - 1) {
+        os << "    u32 a" << l + 1 << "_" << c << "[1][" << n / 16 << "][4];\n"
+           << "    to_a(" << acc << ", a" << l + 1 << "_" << c << ");\n";
+        issue(l + 1, c);
+        // The stash store overlaps the next layer's MMAs.
+        os << "    if (TRAIN) "
+           << staged(n, acc, "p.stash + " + std::to_string(m.stash_h_offset[l]) + " * p.batch", c) << "\n";
+      } else {
+        os << "    store_c<" << s.output_width << ", " << s.output_width << ">(" << acc << ", p.y, row + " << 16 * c
+           << ", p.batch, q);\n";
+      }
+    }
+  }
+  os << "  }\n}\n";
+}
+
+}  // namespace kfuse::codegen
