@@ -89,10 +89,11 @@ struct MlpVariant {
   bool weights_resident = true;  // all layers' weights in shared memory for the CTA's life (persistent CTAs);
                                  // otherwise streamed through two shared-memory buffers in k-chunks
   int k_chunk = 64;           // columns per streamed chunk (multiple of 16); ignored when resident
-  // Weight and bias gradients inside the backward kernel: each CTA accumulates its share of every dW and db in
-  // registers over all its row blocks (the warps split each layer's dW), then a small kernel sums the CTAs'
-  // partials. Needs resident weights and accumulators that fit the register budget (mlp_fused_wgrad_fits);
-  // otherwise the backward kernel stores every layer's dz and cuBLAS computes the gradients from it.
+  // Weight and bias gradients inside the backward kernel: each CTA accumulates its share of every db and of the
+  // dW that fit the register budget in registers over all its row blocks (the warps split each layer's dW), then
+  // a small kernel sums the CTAs' partials; the widest layers' dW that do not fit are cuBLAS GEMMs over the dz the
+  // kernel stores for them. Needs resident weights (mlp_fused_wgrad_fits). Without it the backward kernel stores
+  // every layer's dz and cuBLAS computes every gradient from it.
   bool fused_wgrad = false;
   // The forward's layers as Hopper warpgroup MMAs (wgmma, sm_90a only): each warpgroup multiplies 64 rows per
   // instruction with the activations in registers and the weights in shared memory (resident, in wgmma's core-matrix

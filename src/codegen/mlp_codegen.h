@@ -2,16 +2,17 @@
 //   kfuse_mlp_pack(PackParams)                     weights and biases from PyTorch layouts into the packed layout;
 //   kfuse_mlp_forward / kfuse_mlp_forward_train(FwdParams)   the forward (the latter also writes the stash);
 //   kfuse_mlp_backward / kfuse_mlp_backward_dx(BwdParams)    the activation-gradient chain (and dL/dx for the _dx
-//       one). Without fused_wgrad they store every layer's dz (the runtime's cuBLAS GEMMs make the weight gradients
-//       from it); with fused_wgrad they accumulate the weight and bias gradients themselves and each CTA writes
-//       its partial gradient vector (codegen/mlp_wgrad_plan.h);
+//       one). Without fused_wgrad they store every layer's dz (the runtime's cuBLAS GEMMs make the weight and bias
+//       gradients from it); with fused_wgrad they accumulate the bias gradients and the weight gradients whose
+//       accumulators fit (codegen/mlp_wgrad_plan.h), each CTA writes its partial gradient vector, and they store dz
+//       only for the layers whose weight gradient cuBLAS makes;
 //   kfuse_mlp_wgrad_reduce(ReduceParams)           fused_wgrad only: sums the CTAs' partials into the gradients
 //       (256 threads, ceil(num_parameters / 32) CTAs, no dynamic shared memory).
 // Parameter structs (by value, in this order; pointers are device pointers, i64 = long long):
 //   PackParams   { const u16* w[kMaxLayers]; const u16* b[kMaxLayers]; u16* out; float* bias_out; }
 //   FwdParams    { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; i64 num_blocks; }
 //   BwdParams    { const u16* dy; const u16* y; const u16* stash; const u16* w; u16* dz; u16* dx; const u16* x;
-//                  float* partials; i64 batch; i64 num_blocks; }   (dz: without fused_wgrad; x, partials: with it)
+//                  float* partials; i64 batch; i64 num_blocks; }   (x, partials: fused_wgrad only)
 //   ReduceParams { const float* partials; float* grads; int slices; }   (slices: the backward's grid size)
 // FwdParams.w points at the packed forward region, BwdParams.w at the backward region (codegen/mlp_layout.h).
 // Every forward and backward kernel runs warps * 32 threads per CTA with the variant's dynamic shared memory and

@@ -415,6 +415,27 @@ __device__ __forceinline__ void wgrad_accumulate(float (&acc)[OT][2 * IP][4], fl
   }
 }
 
+// The bias gradient alone (a layer whose weight gradient is made outside the kernel): bacc += dz^T 1 for the warp's
+// out-tiles, the same split and the same turns over the k-steps as in wgrad_accumulate.
+template <int OT, int WO, int WI, int OUT_TILES, int KSTEPS, int DSTRIDE>
+__device__ __forceinline__ void bias_accumulate(float (&bacc)[OT][4], u32 dz, int warp, int lane) {
+  const int wo = warp % WO, wi = warp / WO;
+  const u32 a_base = dz + (((lane & 7) + ((lane >> 4) << 3)) * DSTRIDE + (((lane >> 3) & 1) << 3)) * 2;
+  const u32 ones = pack2(1.0f, 1.0f);
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    if (ks % WI != wi) continue;
+#pragma unroll
+    for (int i = 0; i < OT; ++i) {
+      const int ot = wo + i * WO;
+      if (OUT_TILES % WO != 0 && ot >= OUT_TILES) continue;
+      u32 a[4];
+      ldsm4_trans(a_base + (ks * 16 * DSTRIDE + ot * 16) * 2, a[0], a[1], a[2], a[3]);
+      mma(bacc[i], a, ones, ones);
+    }
+  }
+}
+
 // The CTA's weight gradient partial of one layer into `dst` (PyTorch's (OUT, IN) layout, true widths: the padding
 // rows and columns are dropped).
 template <int OT, int IP, int WO, int WI, int OUT, int IN>

@@ -227,18 +227,21 @@ class WgradWriter {
   std::string before_loop() const {
     std::ostringstream o;
     o << "  // fused weight gradients: the warp's dW blocks (wg) and bias partials (wb) per layer, for the CTA's life\n";
-    for (int l = 0; l < s_.num_layers(); ++l) {
+    const int L = s_.num_layers();
+    for (int l = 0; l < L; ++l) {
       const WgradLayerPlan& lp = plan_.layers[l];
-      o << "  float wg" << l << "[" << lp.out_tiles_per_warp << "][" << 2 * lp.in_pairs_per_warp << "][4];\n"
-        << "  zero_acc(wg" << l << ");\n"
-        << "  float wb" << l << "[" << lp.out_tiles_per_warp << "][4] = {};\n";
+      if (lp.weight)
+        o << "  float wg" << l << "[" << lp.out_tiles_per_warp << "][" << 2 * lp.in_pairs_per_warp << "][4];\n"
+          << "  zero_acc(wg" << l << ");\n";
+      o << "  float wb" << l << "[" << lp.out_tiles_per_warp << "][4] = {};\n";
     }
     o << "  const u32 dz_tiles = smem + " << plan_.dz_tile_offset << "u, h_tiles = smem + " << plan_.h_tile_offset
       << "u;\n"
       << "  const int trow = warp * (16 * MT) + (lane >> 2);  // the lane's first row inside a row block's tiles\n"
-      << "  u32 par = 0;\n"
-      << "  if (blockIdx.x < p.num_blocks) " << input_tile_copy(s_.num_layers() - 1, "h_tiles", "blockIdx.x * ROWS")
-      << "\n  cp_async_commit();\n";
+      << "  u32 par = 0;\n";
+    if (plan_.layers[L - 1].weight)
+      o << "  if (blockIdx.x < p.num_blocks) " << input_tile_copy(L - 1, "h_tiles", "blockIdx.x * ROWS") << "\n";
+    o << "  cp_async_commit();\n";
     return o.str();
   }
 
@@ -250,22 +253,35 @@ class WgradWriter {
     os_ << "    store_a_shared<" << out_p + 8 << ">(" << dz_tile("par") << ", " << d << ", trow, row, p.batch, q);\n"
         << "    cp_async_wait_all();\n"
         << "    __syncthreads();  // this layer's tiles complete; the other buffers' readers done\n";
+    const int L = s_.num_layers();
     if (l > 0) {
-      os_ << "    " << input_tile_copy(l - 1, h_tile("par ^ 1u"), "blk * ROWS") << "\n";
-    } else {
+      if (plan_.layers[l - 1].weight)
+        os_ << "    " << input_tile_copy(l - 1, h_tile("par ^ 1u"), "blk * ROWS") << "\n";
+    } else if (plan_.layers[L - 1].weight) {
       os_ << "    if (blk + gridDim.x < p.num_blocks) "
-          << input_tile_copy(s_.num_layers() - 1, h_tile("par ^ 1u"), "(blk + gridDim.x) * ROWS") << "\n";
+          << input_tile_copy(L - 1, h_tile("par ^ 1u"), "(blk + gridDim.x) * ROWS") << "\n";
     }
-    os_ << "    cp_async_commit();\n"
-        << "    wgrad_accumulate<" << lp.out_tiles_per_warp << ", " << lp.in_pairs_per_warp << ", " << lp.warps_out
-        << ", " << lp.warps_in << ", " << lp.out_tiles << ", " << lp.in_pairs << ", " << plan_.k_steps << ", "
-        << out_p + 8 << ", " << in_p + 8 << ", " << (lp.bias ? "true" : "false") << ">(wg" << l << ", wb" << l
-        << ", " << dz_tile("par") << ", " << h_tile("par") << ", warp, lane);\n"
-        << "    par ^= 1u;\n";
+    os_ << "    cp_async_commit();\n";
+    if (lp.weight) {
+      os_ << "    wgrad_accumulate<" << lp.out_tiles_per_warp << ", " << lp.in_pairs_per_warp << ", " << lp.warps_out
+          << ", " << lp.warps_in << ", " << lp.out_tiles << ", " << lp.in_pairs << ", " << plan_.k_steps << ", "
+          << out_p + 8 << ", " << in_p + 8 << ", " << (lp.bias ? "true" : "false") << ">(wg" << l << ", wb" << l
+          << ", " << dz_tile("par") << ", " << h_tile("par") << ", warp, lane);\n";
+    } else if (lp.bias) {
+      os_ << "    bias_accumulate<" << lp.out_tiles_per_warp << ", " << lp.warps_out << ", " << lp.warps_in << ", "
+          << lp.out_tiles << ", " << plan_.k_steps << ", " << out_p + 8 << ">(wb" << l << ", " << dz_tile("par")
+          << ", warp, lane);\n";
+    }
+    os_ << "    par ^= 1u;\n";
   }
 
+  // Whether layer l's own weight gradient is accumulated here (else its dz goes to the workspace for cuBLAS).
+  bool weight_inside(int l) const { return plan_.layers[l].weight; }
+
   // Layer l's activation output h_l for its derivative: the input tile of layer l + 1 (requested one layer ahead;
-  // the barrier of layer l + 1 made it complete, and it is not overwritten before the barrier of layer l).
+  // the barrier of layer l + 1 made it complete, and it is not overwritten before the barrier of layer l). Only
+  // where layer l + 1's weight gradient is accumulated here (its input tile is loaded).
+  bool has_stored_output(int l) const { return plan_.layers[l + 1].weight; }
   std::string stored_output(int l, const std::string& dst) const {
     return cat("load_c_shared<", s_.layer_out_padded(l) + 8, ">(", dst, ", ", h_tile("par ^ 1u"), ", trow, q);");
   }
@@ -279,9 +295,10 @@ class WgradWriter {
         << "  float* scratch = reinterpret_cast<float*>(kfuse_smem);\n";
     for (int l = 0; l < s_.num_layers(); ++l) {
       const WgradLayerPlan& lp = plan_.layers[l];
-      os_ << "  store_wgrad_partial<" << lp.out_tiles_per_warp << ", " << lp.in_pairs_per_warp << ", " << lp.warps_out
-          << ", " << lp.warps_in << ", " << s_.layer_out(l) << ", " << s_.layer_in(l) << ">(wg" << l << ", partial + "
-          << plan_.grad_weight_offset[l] << ", warp, lane);\n";
+      if (lp.weight)
+        os_ << "  store_wgrad_partial<" << lp.out_tiles_per_warp << ", " << lp.in_pairs_per_warp << ", "
+            << lp.warps_out << ", " << lp.warps_in << ", " << s_.layer_out(l) << ", " << s_.layer_in(l) << ">(wg" << l
+            << ", partial + " << plan_.grad_weight_offset[l] << ", warp, lane);\n";
       if (lp.bias)
         os_ << "  store_bias_partial<" << lp.out_tiles_per_warp << ", " << lp.warps_out << ", " << lp.warps_in << ", "
             << lp.out_tiles << ", " << s_.layer_out_padded(l) << ">(wb" << l << ", scratch + "
@@ -348,7 +365,7 @@ void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& 
         os << "    {\n      float t[MT][" << nt << "][4];\n";
         if (l == L - 1)
           os << "      load_c<" << s.output_width << ", " << s.output_width << ">(t, p.y, row, p.batch, q);\n";
-        else if (v.fused_wgrad)
+        else if (v.fused_wgrad && wg.has_stored_output(l))
           os << "      " << wg.stored_output(l, "t") << "\n";
         else
           os << "      load_c<" << n << ", " << n << ">(t, p.stash + " << m.stash_h_offset[l]
@@ -362,6 +379,9 @@ void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& 
     }
     const bool chain_goes_on = l > 0 || dx;
     if (v.fused_wgrad) {
+      if (!wg.weight_inside(l))  // cuBLAS makes dW_l from it
+        os << "    store_c<" << n << ", " << n << ">(" << g << ", p.dz + " << m.dz_offset[l]
+           << " * p.batch, row, p.batch, q);\n";
       os << "    u32 " << d << "[MT][" << n / 16 << "][4];\n    to_a(" << g << ", " << d << ");\n";
       wg.layer(l, d);
     } else {
@@ -383,20 +403,28 @@ void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& 
 
 // Sums the CTAs' partial gradient vectors (fused_wgrad) in CTA order. A CTA of 256 threads owns 32 consecutive
 // gradient entries; its 8 warps read every 8th partial (coalesced 128-byte rows) and add their sums in warp order.
-void write_wgrad_reduce(std::ostringstream& os, const WgradPlan& plan) {
+void write_wgrad_reduce(std::ostringstream& os, const MlpSpec& spec, const WgradPlan& plan) {
+  // Entries of weight gradients made outside the kernel (cuBLAS writes them after this kernel) are skipped.
+  std::ostringstream inside;
+  inside << "i < " << plan.grad_floats;
+  for (int l = 0; l < spec.num_layers(); ++l)
+    if (!plan.layers[l].weight)
+      inside << " && !(i >= " << plan.grad_weight_offset[l] << " && i < "
+             << plan.grad_weight_offset[l] + int64_t(spec.layer_out(l)) * spec.layer_in(l) << ")";
   os << "struct ReduceParams { const float* partials; float* grads; int slices; };\n"
      << "extern \"C\" __global__ void __launch_bounds__(256) kfuse_mlp_wgrad_reduce(ReduceParams p) {\n"
      << "  __shared__ float sums[8][33];\n"
      << "  const int c = threadIdx.x & 31, w = threadIdx.x >> 5;\n"
      << "  const i64 i = (i64)blockIdx.x * 32 + c;\n"
+     << "  const bool inside = " << inside.str() << ";\n"
      << "  float s = 0.0f;\n"
-     << "  if (i < " << plan.grad_floats << ")\n"
+     << "  if (inside)\n"
      << "#pragma unroll 4\n"
      << "    for (int k = w; k < p.slices; k += 8) s += p.partials[(i64)k * " << plan.partial_stride_floats
      << " + i];\n"
      << "  sums[w][c] = s;\n"
      << "  __syncthreads();\n"
-     << "  if (w == 0 && i < " << plan.grad_floats << ") {\n"
+     << "  if (w == 0 && inside) {\n"
      << "    float t = 0.0f;\n"
      << "#pragma unroll\n"
      << "    for (int k = 0; k < 8; ++k) t += sums[k][c];\n"
@@ -434,7 +462,7 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
           "const u16* x; float* partials; i64 batch; i64 num_blocks; };\n\n";
     write_backward(os, spec, variant, m, false);
     write_backward(os, spec, variant, m, true);
-    if (variant.fused_wgrad) write_wgrad_reduce(os, mlp_wgrad_plan(spec, variant));
+    if (variant.fused_wgrad) write_wgrad_reduce(os, spec, mlp_wgrad_plan(spec, variant));
   }
   return os.str();
 }

@@ -44,12 +44,11 @@ WgradPlan mlp_wgrad_plan(const MlpSpec& s, const MlpVariant& v) {
   const int L = s.num_layers();
   const int rows = v.rows_per_cta();
   p.k_steps = rows / 16;
-  int max_out = 0, max_in = 0;
+  int max_out = 0;
   int64_t grad = 0, scratch = 0;
   for (int l = 0; l < L; ++l) {
     const int out = s.layer_out_padded(l), in = s.layer_in_padded(l);
     max_out = std::max(max_out, out);
-    max_in = std::max(max_in, in);
     p.layers.push_back(split_layer(out / 16, in / 16, v.warps, s.has_bias(l)));
     p.accumulator_floats += p.layers.back().accumulator_floats();
     p.grad_weight_offset.push_back(grad);
@@ -61,11 +60,33 @@ WgradPlan mlp_wgrad_plan(const MlpSpec& s, const MlpVariant& v) {
   }
   p.grad_floats = grad;
   p.partial_stride_floats = (grad + 31) / 32 * 32;
-  p.dz_tile_offset = align16(mlp_layout(s).bwd_region_halves * 2);
-  p.dz_tile_bytes = int64_t(rows) * (max_out + 8) * 2;
-  p.h_tile_offset = p.dz_tile_offset + 2 * p.dz_tile_bytes;
-  p.h_tile_bytes = int64_t(rows) * (max_in + 8) * 2;
-  p.smem_bytes = std::max(p.h_tile_offset + 2 * p.h_tile_bytes, scratch * 4);
+  // Weight gradients outside the kernel, widest first, until the accumulators fit (biases always inside).
+  while (p.accumulator_floats > kMaxWgradAccumulatorFloats) {
+    WgradLayerPlan* widest = nullptr;
+    for (WgradLayerPlan& l : p.layers)
+      if (l.weight && l.weight_floats() > 0 && (!widest || l.weight_floats() > widest->weight_floats())) widest = &l;
+    if (!widest) break;
+    p.accumulator_floats -= widest->weight_floats();
+    widest->weight = false;
+  }
+  // Shared memory: the input tiles are as wide as the widest input of a layer whose weight gradient stays inside;
+  // past the budget, that layer's weight gradient goes outside too.
+  for (;;) {
+    int max_in = 0, widest = -1;
+    for (int l = 0; l < L; ++l)
+      if (p.layers[l].weight && s.layer_in_padded(l) > max_in) {
+        max_in = s.layer_in_padded(l);
+        widest = l;
+      }
+    p.dz_tile_offset = align16(mlp_layout(s).bwd_region_halves * 2);
+    p.dz_tile_bytes = int64_t(rows) * (max_out + 8) * 2;
+    p.h_tile_offset = p.dz_tile_offset + 2 * p.dz_tile_bytes;
+    p.h_tile_bytes = max_in ? int64_t(rows) * (max_in + 8) * 2 : 0;
+    p.smem_bytes = std::max(p.h_tile_offset + 2 * p.h_tile_bytes, scratch * 4);
+    if (p.smem_bytes <= kWgradSmemBudget || widest < 0) break;
+    p.accumulator_floats -= p.layers[widest].weight_floats();
+    p.layers[widest].weight = false;
+  }
   return p;
 }
 

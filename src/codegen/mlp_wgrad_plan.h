@@ -25,17 +25,25 @@ namespace kfuse::codegen {
 // A thread's budget of fp32 weight-gradient accumulators (all layers): beyond it the backward kernel, which also
 // holds the activation-gradient chain in registers, would spill.
 constexpr int kMaxWgradAccumulatorFloats = 96;
+// The shared memory a plan may take (the most any supported device gives one block: 227 KiB on sm_90); a device
+// with less rejects the plans that exceed it (mlp_fused_wgrad_fits), so the generated source never depends on it.
+constexpr int64_t kWgradSmemBudget = 227 * 1024;
 
+// Where the accumulators of every layer do not fit the budget, the widest layers' weight gradients stay outside
+// (weight = false, largest first until the rest fits; then, past the shared-memory budget, the layers with the
+// widest input tiles): for those the backward kernel stores dz_l to the workspace
+// and the runtime's cuBLAS GEMM makes dW_l from it. Their bias gradients stay inside (4 floats per out-tile),
+// so that no layer's dz is read again for a bias GEMV.
 struct WgradLayerPlan {
   int out_tiles = 0, in_pairs = 0;  // of the padded dW_l: out_padded / 16, in_padded / 16
   int warps_out = 1, warps_in = 1;  // warps_out * warps_in = warps; warp w is (w % warps_out, w / warps_out)
   int out_tiles_per_warp = 0;       // ceil(out_tiles / warps_out)
   int in_pairs_per_warp = 0;        // ceil(in_pairs / warps_in)
   bool bias = false;
+  bool weight = true;  // dW_l accumulated in the kernel (else: dz_l stored, cuBLAS)
   // Two 16x8 accumulator tiles per block, one per out-tile for the bias; 4 floats per thread each.
-  int accumulator_floats() const {
-    return out_tiles_per_warp * in_pairs_per_warp * 8 + (bias ? out_tiles_per_warp * 4 : 0);
-  }
+  int weight_floats() const { return weight ? out_tiles_per_warp * in_pairs_per_warp * 8 : 0; }
+  int accumulator_floats() const { return weight_floats() + (bias ? out_tiles_per_warp * 4 : 0); }
 };
 
 struct WgradPlan {
@@ -45,7 +53,7 @@ struct WgradPlan {
   // Shared memory: the resident transposed weights, then two dz tiles and two input tiles (alternating by layer,
   // so that one barrier per layer suffices), each row padded by 8 halves against ldmatrix bank conflicts.
   int64_t dz_tile_offset = 0, dz_tile_bytes = 0;
-  int64_t h_tile_offset = 0, h_tile_bytes = 0;
+  int64_t h_tile_offset = 0, h_tile_bytes = 0;  // input tiles: as wide as the widest input of a `weight` layer
   int64_t smem_bytes = 0;
   // End of the kernel: the warps_in bias partials of layer l at float offset bias_scratch_offset[l] of shared
   // memory (warps_in x out_padded floats; the weights and tiles are dead by then).
@@ -55,6 +63,11 @@ struct WgradPlan {
   int64_t grad_floats = 0;
   // A CTA's partial gradient vector in the workspace: grad_floats, padded to whole 128-byte rows.
   int64_t partial_stride_floats = 0;
+  bool all_weights() const {
+    for (const WgradLayerPlan& l : layers)
+      if (!l.weight) return false;
+    return true;
+  }
 };
 
 WgradPlan mlp_wgrad_plan(const MlpSpec& spec, const MlpVariant& variant);

@@ -208,6 +208,11 @@ struct FusedMlp::Impl {
   long long max_backward_grid(int64_t batch) const {
     return std::min<long long>(num_blocks(batch), static_cast<long long>(backward_ctas_per_sm_bound) * dev.sm_count);
   }
+  // fused_wgrad: the CTAs' partial gradient vectors at the workspace's start; the dz of layers whose weight
+  // gradients cuBLAS makes follow them (256-byte aligned).
+  int64_t partials_bytes(int64_t batch) const {
+    return (max_backward_grid(batch) * wgrad.partial_stride_floats * 4 + 255) / 256 * 256;
+  }
   void check_batch(int64_t batch) const {
     KFUSE_CHECK(batch >= 1 && batch < (int64_t(1) << 31), InvalidArgument, "MLP batch must be in [1, 2^31), got ",
                 batch);
@@ -295,7 +300,8 @@ size_t FusedMlp::stash_bytes(int64_t batch) const {
 size_t FusedMlp::backward_workspace_bytes(int64_t batch) const {
   const Impl& m = *impl_;
   if (m.variant.fused_wgrad)
-    return static_cast<size_t>(m.max_backward_grid(batch) * m.wgrad.partial_stride_floats * 4);
+    return static_cast<size_t>(m.partials_bytes(batch) +
+                               (m.wgrad.all_weights() ? 0 : m.layout.dz_elements_per_row * batch * 2));
   return static_cast<size_t>((m.layout.dz_elements_per_row * batch + batch) * 2);
 }
 
@@ -376,7 +382,8 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
   const LoadedKernels& kernels = m.backward_module();
   const char* pk = static_cast<const char*>(packed);
   const bool fused = m.variant.fused_wgrad;
-  BwdParams p{dy, y, stash, pk + lay.bwd_region_byte_offset, fused ? nullptr : workspace, dx, x,
+  char* dz_base = static_cast<char*>(workspace) + (fused ? m.partials_bytes(batch) : 0);
+  BwdParams p{dy, y, stash, pk + lay.bwd_region_byte_offset, dz_base, dx, x,
               fused ? static_cast<float*>(workspace) : nullptr, batch, m.num_blocks(batch)};
   const long long grid = m.launch(kernels.functions.at(dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward"),
                                   p.num_blocks, kernels.ctas_per_sm, m.backward_smem, &p, stream);
@@ -391,19 +398,20 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
     api.check(api.cuLaunchKernel(kernels.functions.at("kfuse_mlp_wgrad_reduce"), static_cast<unsigned>(blocks), 1, 1,
                                  256, 1, 1, 0, reinterpret_cast<CUstream>(stream), args, nullptr),
               "cuLaunchKernel (MLP gradient reduction)");
-    return;
+    if (m.wgrad.all_weights()) return;
   }
 
-  // Weight and bias gradients: GEMMs over the batch with fp32 output (cuBLAS splits the long k itself).
+  // Weight (and, without fused_wgrad, bias) gradients: GEMMs over the batch with fp32 output (cuBLAS splits the
+  // long k itself), from the dz the backward kernel stored.
   if (!m.cublas) check_cublas(cublasCreate(&m.cublas), "cublasCreate");
   check_cublas(cublasSetStream(m.cublas, reinterpret_cast<cudaStream_t>(stream)), "cublasSetStream");
   const cudaDataType_t t = s.dtype == MlpDType::kFloat16 ? CUDA_R_16F : CUDA_R_16BF;
   const uint16_t one_bits = s.dtype == MlpDType::kFloat16 ? 0x3C00 : 0x3F80;
-  char* ws = static_cast<char*>(workspace);
-  const char* ones = ws + lay.dz_elements_per_row * batch * 2;
-  api.check(api.cuMemsetD16Async(reinterpret_cast<CUdeviceptr>(ones), one_bits, static_cast<size_t>(batch),
-                                 reinterpret_cast<CUstream>(stream)),
-            "cuMemsetD16Async (ones)");
+  const char* ones = dz_base + lay.dz_elements_per_row * batch * 2;
+  if (!fused)
+    api.check(api.cuMemsetD16Async(reinterpret_cast<CUdeviceptr>(ones), one_bits, static_cast<size_t>(batch),
+                                   reinterpret_cast<CUstream>(stream)),
+              "cuMemsetD16Async (ones)");
   const float alpha = 1.0f, beta = 0.0f;
   const int k = static_cast<int>(batch);
   int64_t offset = 0;
@@ -411,19 +419,20 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
     const int in = s.layer_in(l), out = s.layer_out(l);
     const void* h = l == 0 ? x : static_cast<const char*>(stash) + lay.stash_h_offset[l - 1] * batch * 2;
     const int ld_h = l == 0 ? s.input_width : s.layer_in_padded(l);
-    const char* dz = ws + lay.dz_offset[l] * batch * 2;
+    const char* dz = dz_base + lay.dz_offset[l] * batch * 2;
     const int ld_dz = s.layer_out_padded(l);
     // Column-major view: dW^T (in x out) = h^T (in x batch) * dz (batch x out); row-major dW is PyTorch's layout.
-    check_cublas(cublasGemmEx(m.cublas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, k, &alpha, h, t, ld_h, dz, t, ld_dz, &beta,
-                              grads + offset, CUDA_R_32F, in, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                 "cublasGemmEx (MLP weight gradient)");
+    if (!fused || !m.wgrad.layers[l].weight)
+      check_cublas(cublasGemmEx(m.cublas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, k, &alpha, h, t, ld_h, dz, t, ld_dz,
+                                &beta, grads + offset, CUDA_R_32F, in, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                   "cublasGemmEx (MLP weight gradient)");
     offset += int64_t(in) * out;
-    if (s.has_bias(l)) {
+    if (s.has_bias(l) && !fused) {
       check_cublas(cublasGemmEx(m.cublas, CUBLAS_OP_N, CUBLAS_OP_N, out, 1, k, &alpha, dz, t, ld_dz, ones, t, k,
                                 &beta, grads + offset, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                    "cublasGemmEx (MLP bias gradient)");
-      offset += out;
     }
+    if (s.has_bias(l)) offset += out;
   }
 }
 
