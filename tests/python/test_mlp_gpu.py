@@ -198,7 +198,9 @@ def test_fused_weight_gradients_are_deterministic():
 
 
 def test_default_variant_fuses_weight_gradients_where_they_fit():
-    for width, fused in ((64, True), (128, False)):
+    # width 64: every gradient inside the kernel; 128: the biases and the first layer's weights (the rest by
+    # cuBLAS); 256: streamed weights, no fused gradients
+    for width, fused in ((64, True), (128, True), (256, False)):
         m = make(32, [width] * 4, 16)
         assert m.engine(torch.device("cuda", 0), torch.float16).build_info["variant"].endswith("_fw") == fused
 
