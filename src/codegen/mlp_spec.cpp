@@ -186,8 +186,8 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
         }
       }
   if (hopper) {
-    // The wgmma forward: whole warpgroups, resident weights (its backward is the mma.sync one: no fused_wgrad
-    // variants of it, they would time the same backward twice).
+    // The wgmma forward: whole warpgroups, resident weights; with fused weight gradients too where they fit (the
+    // training step pairs its forward_train with that backward).
     for (int mt : {1, 2})
       for (int warps : {4, 8, 16}) {
         MlpVariant v{mt, warps, true, 64};
@@ -195,7 +195,12 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
         if (warps == 16 && (mt == 2 || max_width(spec) > 64)) continue;
         // Two chains hold two layers' accumulators each: past width 64 ptxas spills and serializes the wgmmas.
         if (mt == 2 && max_width(spec) > 64) continue;
-        if (fits(spec, v, smem_optin)) out.push_back(v);
+        if (!fits(spec, v, smem_optin)) continue;
+        out.push_back(v);
+        if (mlp_fused_wgrad_fits(spec, v, smem_optin)) {
+          v.fused_wgrad = true;
+          out.push_back(v);
+        }
       }
   }
   return out;
