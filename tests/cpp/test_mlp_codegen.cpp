@@ -164,7 +164,7 @@ TEST(MlpVariants, WgmmaNeedsResidentWeightsAndWholeWarpgroups) {
             std::string::npos);
   // Candidates: wgmma forwards only for Hopper, and only where the weights fit (not at width 256).
   auto count_wgmma = [](const std::vector<MlpVariant>& c) {
-    return std::count_if(c.begin(), c.end(), [](const MlpVariant& v) { return v.wgmma; });
+    return std::count_if(c.begin(), c.end(), [](const MlpVariant& v) { return v.wgmma && !v.fused_wgrad; });
   };
   EXPECT_EQ(count_wgmma(mlp_candidate_variants(s, 227 * 1024)), 0);
   EXPECT_EQ(count_wgmma(mlp_candidate_variants(s, 227 * 1024, true)), 5);
