@@ -5,7 +5,7 @@ Usage: python scripts/profile_mlp.py [width ...]   (default: 64 128)"""
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from kernel_profile import kernel_times
 
 from kfuse.bench_mlp import MLP_BATCH, MLP_IN, MLP_OUT, _sequential
 from kfuse.encoder import format_tuning_table
@@ -29,24 +29,10 @@ def main():
         def step():
             return torch.autograd.grad(fused(x), params, dy)
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        steps = 10
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-        kernels = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                k = kernels.setdefault(e.name, [0.0, 0])
-                k[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                k[1] += 1
-        total = sum(v[0] for v in kernels.values()) / steps
+        total, rows = kernel_times(step, warmup=3)
         print(f"== width {width}: training step {total / 1e3:.3f} ms of kernel time")
-        for name, (us, cnt) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]:
-            print(f"{us / steps:9.1f} us  x{cnt // steps:<3} {name[:110]}")
+        for name, us, cnt in rows[:15]:
+            print(f"{us:9.1f} us  x{cnt:<3} {name[:110]}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ torch.profiler's CUDA activity: what PERF.md's training breakdown is made of. Us
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from kernel_profile import kernel_times
 
 import kfuse
 
@@ -18,28 +18,14 @@ def main():
     def step():
         return torch.autograd.grad(enc(x), params, dy)
 
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    steps = 10
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    rows = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            r = rows.setdefault(e.name, [0.0, 0])
-            r[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            r[1] += 1
-    total = sum(v[0] for v in rows.values()) / steps
+    total, rows = kernel_times(step)
     print(f"kfuse training step N={n}: {total / 1e3:.3f} ms of kernel time per step")
-    for name, (us, cnt) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:60]:
+    for name, us, cnt in rows[:60]:
         # CUTLASS 2.x conv kernels differ only deep in their mangled names: keep the tile shapes and operator.
         short = name if "cutlass" not in name else " ".join(
             m for m in __import__("re").findall(r"GemmShapeILi\d+ELi\d+ELi\d+E|Strided|Wgrad|Dgrad|Fprop|"
                                                 r"ConvUniversal|ReduceSplitK", name)[:6])
-        print(f"{us / steps:9.1f} us  x{cnt // steps:<3} {short[:150]}")
+        print(f"{us:9.1f} us  x{cnt:<3} {short[:150]}")
     print("forward convolution choices at this batch (tuner):")
     for r in enc.tune(n, 64, 64, mode="on", verbose=False):
         print(f"  {r['shape']:<36} {r['choice']:<20} tuned {r['tuned_ms'] * 1e3 if r['tuned_ms'] else 0:8.1f} us")
