@@ -107,6 +107,10 @@ struct MlpVariant {
   bool operator==(const MlpVariant&) const = default;
 };
 
+// Whether a device of this compute capability runs the wgmma forward (MlpVariant::wgmma: sm_90a code, which
+// later architectures do not run).
+inline bool mlp_wgmma_supported(int cc_major, int cc_minor) { return cc_major == 9 && cc_minor == 0; }
+
 // Throws InvalidArgument naming the field when a variant cannot run `spec` (m_tiles 1 or 2, warps 1..16, k_chunk a
 // multiple of 16, fused weight gradients only with resident weights and accumulators that fit, wgmma only with
 // resident weights and whole warpgroups).
@@ -116,7 +120,7 @@ void validate_variant(const MlpSpec& spec, const MlpVariant& v);
 size_t mlp_forward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
 size_t mlp_backward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
 // The variants worth trying for a spec on a device with `smem_optin` bytes of shared memory per block (the
-// default first); the heuristic default alone is mlp_default_variant. With `hopper` (compute capability 9.0) the
+// default first); the heuristic default alone is mlp_default_variant. With `hopper` (mlp_wgmma_supported) the
 // wgmma forward variants that fit join them.
 std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin, bool hopper = false);
 MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin);

@@ -373,6 +373,18 @@ __device__ __forceinline__ void load_c_shared(float (&v)[MT][NT][4], u32 tile, i
       }
 }
 
+// The A fragment of dz^T at (out-tile ot, k-step ks) from a shared dz tile with rows DSTRIDE halves apart: lane l
+// addresses row l % 8 of 8x8 block l / 8, blocks (k0, m0), (k0, m0 + 8), (k0 + 8, m0), (k0 + 8, m0 + 8) = a0..a3,
+// through ldmatrix.trans (dz is stored k-major).
+template <int DSTRIDE>
+__device__ __forceinline__ u32 dz_t_base(u32 dz, int lane) {
+  return dz + (((lane & 7) + ((lane >> 4) << 3)) * DSTRIDE + (((lane >> 3) & 1) << 3)) * 2;
+}
+template <int DSTRIDE>
+__device__ __forceinline__ void load_dz_t(u32 (&a)[4], u32 base, int ks, int ot) {
+  ldsm4_trans(base + (ks * 16 * DSTRIDE + ot * 16) * 2, a[0], a[1], a[2], a[3]);
+}
+
 // Weight and bias gradients of one layer over one row block (codegen/mlp_wgrad_plan.h): acc += dz^T h and
 // bacc += dz^T 1 for the warp's out-tiles (m) and in-pairs (n), k = the KSTEPS * 16 rows of the shared tiles dz
 // (rows x out, rows DSTRIDE halves apart) and h (rows x in, HSTRIDE). Both operands are stored k-major, so both go
@@ -382,10 +394,9 @@ template <int OT, int IP, int WO, int WI, int OUT_TILES, int IN_PAIRS, int KSTEP
 __device__ __forceinline__ void wgrad_accumulate(float (&acc)[OT][2 * IP][4], float (&bacc)[OT][4], u32 dz, u32 h,
                                                  int warp, int lane) {
   const int wo = warp % WO, wi = warp / WO;
-  // Lane l addresses row l % 8 of 8x8 block l / 8. A blocks: (k0, m0), (k0, m0 + 8), (k0 + 8, m0), (k0 + 8, m0 + 8)
-  // = a0..a3; B blocks: (k0, n0), (k0 + 8, n0), (k0, n0 + 8), (k0 + 8, n0 + 8) = b0, b1 of n-tile n0 / 8, then of
-  // the next.
-  const u32 a_base = dz + (((lane & 7) + ((lane >> 4) << 3)) * DSTRIDE + (((lane >> 3) & 1) << 3)) * 2;
+  // A fragments: dz_t_base. B: lane l addresses row l % 8 of 8x8 block l / 8, blocks (k0, n0), (k0 + 8, n0),
+  // (k0, n0 + 8), (k0 + 8, n0 + 8) = b0, b1 of n-tile n0 / 8, then of the next.
+  const u32 a_base = dz_t_base<DSTRIDE>(dz, lane);
   const u32 b_base = h + (((lane & 7) + (((lane >> 3) & 1) << 3)) * HSTRIDE + ((lane >> 4) << 3)) * 2;
   const u32 ones = pack2(1.0f, 1.0f);
 #pragma unroll
@@ -402,7 +413,7 @@ __device__ __forceinline__ void wgrad_accumulate(float (&acc)[OT][2 * IP][4], fl
       const int ot = wo + i * WO;
       if (OUT_TILES % WO != 0 && ot >= OUT_TILES) continue;
       u32 a[4];
-      ldsm4_trans(a_base + (ks * 16 * DSTRIDE + ot * 16) * 2, a[0], a[1], a[2], a[3]);
+      load_dz_t<DSTRIDE>(a, a_base, ks, ot);
 #pragma unroll
       for (int j = 0; j < IP; ++j) {
         if (IN_PAIRS % WI != 0 && wi + j * WI >= IN_PAIRS) continue;
@@ -420,7 +431,7 @@ __device__ __forceinline__ void wgrad_accumulate(float (&acc)[OT][2 * IP][4], fl
 template <int OT, int WO, int WI, int OUT_TILES, int KSTEPS, int DSTRIDE>
 __device__ __forceinline__ void bias_accumulate(float (&bacc)[OT][4], u32 dz, int warp, int lane) {
   const int wo = warp % WO, wi = warp / WO;
-  const u32 a_base = dz + (((lane & 7) + ((lane >> 4) << 3)) * DSTRIDE + (((lane >> 3) & 1) << 3)) * 2;
+  const u32 a_base = dz_t_base<DSTRIDE>(dz, lane);
   const u32 ones = pack2(1.0f, 1.0f);
 #pragma unroll
   for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -430,7 +441,7 @@ __device__ __forceinline__ void bias_accumulate(float (&bacc)[OT][4], u32 dz, in
       const int ot = wo + i * WO;
       if (OUT_TILES % WO != 0 && ot >= OUT_TILES) continue;
       u32 a[4];
-      ldsm4_trans(a_base + (ks * 16 * DSTRIDE + ot * 16) * 2, a[0], a[1], a[2], a[3]);
+      load_dz_t<DSTRIDE>(a, a_base, ks, ot);
       mma(bacc[i], a, ones, ones);
     }
   }

@@ -245,7 +245,7 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
   m.smem_optin = static_cast<size_t>(optin);
   m.variant = variant.m_tiles == 0 ? mlp_default_variant(spec, m.smem_optin) : variant;
   validate_variant(spec, m.variant);  // before anything divides by its fields
-  KFUSE_CHECK(!m.variant.wgmma || (m.dev.major == 9 && m.dev.minor == 0), Unsupported, "MLP variant ",
+  KFUSE_CHECK(!m.variant.wgmma || mlp_wgmma_supported(m.dev.major, m.dev.minor), Unsupported, "MLP variant ",
               m.variant.name(), ": the wgmma forward needs a compute capability 9.0 device (Hopper); ", m.dev.name,
               " has ", m.dev.major, ".", m.dev.minor);
   m.layout = codegen::mlp_layout(spec);

@@ -60,7 +60,7 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
   check_cuda(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device),
              "cudaDeviceGetAttribute(compute capability)");
   const std::vector<MlpVariant> all =
-      mlp_candidate_variants(spec, size_t(optin), /*hopper=*/cc_major == 9 && cc_minor == 0);
+      mlp_candidate_variants(spec, size_t(optin), mlp_wgmma_supported(cc_major, cc_minor));
   KFUSE_CHECK(!all.empty(), InvalidArgument, "no kernel variant can run ", spec.to_string());
   const std::vector<MlpVariant> fwd = forward_candidates(all);
   const kernels::ConvDType dt = storage(spec.dtype);
