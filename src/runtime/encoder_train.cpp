@@ -16,6 +16,7 @@
 //   gradient finalize       -> KRSC sums (fp32, or T from cuDNN) into PyTorch's fp32 layouts (one launch)
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <set>
 #include <unordered_map>
@@ -56,9 +57,16 @@ struct TrainingState {
   std::vector<GradJob> grad_jobs;
   GradJob* d_grad_jobs = nullptr;
   size_t grad_job_capacity = 0;
-  // One scratch area for the backward's workspaces (the launches on one stream run one after another).
+  // One scratch area for the backward's workspaces, in two equal halves: the main stream's launches use the first,
+  // the weight-gradient branch's the second (the launches of one stream run one after another).
   void* scratch = nullptr;
-  size_t scratch_bytes = 0;
+  size_t scratch_bytes = 0;  // per half
+  // The weight gradients run on a side branch (Impl::side): fork after the kernel that produces their dL/dout, one
+  // join before the gradient finalize (events, which stream capture turns into parallel graph branches).
+  // KFUSE_WGRAD_BRANCH=0 keeps them on the main stream (for measuring the difference; PERF.md session 10).
+  bool wgrad_branch = true;
+  std::vector<cudaEvent_t> wgrad_fork;
+  cudaEvent_t wgrad_join = nullptr;
   bool weights_from_device = false;
   // Backward convolution choices per shape (conv_shape_key of the forward problem): the tuner's, else the heuristic.
   std::map<std::string, WgradChoice> wgrad_choice;
@@ -71,6 +79,8 @@ struct TrainingState {
     cudaFree(d_pack_jobs);
     cudaFree(d_grad_jobs);
     cudaFree(scratch);
+    for (cudaEvent_t e : wgrad_fork) cudaEventDestroy(e);
+    if (wgrad_join) cudaEventDestroy(wgrad_join);
   }
 };
 
@@ -101,6 +111,13 @@ TrainingState& training(EncoderGpu::Impl& m) {
   if (!m.training) {
     m.training.reset(new TrainingState);
     TrainingState& t = *m.training;
+    if (const char* v = std::getenv("KFUSE_WGRAD_BRANCH"); v && *v) {
+      const std::string branch = v;
+      KFUSE_CHECK(branch == "0" || branch == "1", InvalidArgument,
+                  "KFUSE_WGRAD_BRANCH must be 0 (weight gradients on the main stream) or 1 (on a side branch), got '",
+                  branch, "'");
+      t.wgrad_branch = branch == "1";
+    }
     int64_t off = 0;
     const auto specs = m.config.parameter_specs();
     for (size_t i = 0; i < specs.size(); ++i) {
@@ -132,13 +149,24 @@ size_t param_index(const TrainingState& t, const std::string& name) {
 // The first element of a training graph's key: which launch sequence it is.
 enum : int64_t { kForwardTrainGraph = 0, kBackwardGraph = 1 };
 
+// Two halves of `bytes` each (TrainingState::scratch).
 void ensure_scratch(TrainingState& t, size_t bytes) {
+  bytes = align256(bytes);
   if (bytes <= t.scratch_bytes) return;
   cudaFree(t.scratch);  // synchronizes with the device: nothing in flight still uses the old area
   t.scratch = nullptr;
   t.scratch_bytes = 0;
-  check_cuda(cudaMalloc(&t.scratch, bytes), "cudaMalloc (training scratch)");
+  check_cuda(cudaMalloc(&t.scratch, 2 * bytes), "cudaMalloc (training scratch)");
   t.scratch_bytes = bytes;
+}
+
+void ensure_wgrad_events(TrainingState& t, size_t blocks) {
+  while (t.wgrad_fork.size() < 2 * blocks) {
+    cudaEvent_t e;
+    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    t.wgrad_fork.push_back(e);
+  }
+  if (!t.wgrad_join) check_cuda(cudaEventCreateWithFlags(&t.wgrad_join, cudaEventDisableTiming), "cudaEventCreate");
 }
 
 // Problems of block b whose input is n x h x w (forward conventions of conv_backward.h).
@@ -598,25 +626,41 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
                             dx ? reinterpret_cast<int64_t>(dx->data) : 0,
                             dx ? int64_t(dx->dtype) : -1};
   key.insert(key.end(), x.strides.begin(), x.strides.end());
+  m.ensure_side_stream();
+  ensure_wgrad_events(t, nb);
   // The launches go to the lambda's stream: the caller's, or the capture stream when the graph is recorded.
   m.train_graphs.run(key, stream, [&](cudaStream_t stream) {
     void* ws = t.scratch;
+    void* ws_side = static_cast<uint8_t*>(t.scratch) + t.scratch_bytes;
+    const size_t wsb = t.scratch_bytes;
+    cudaStream_t wstream = t.wgrad_branch ? m.side : stream;
+    void* const wws = t.wgrad_branch ? ws_side : ws;
+    // The weight gradients run on the side branch: nothing on the main path waits for them, so they fill the SMs
+    // that the memory-bound kernels (squeeze-excite, ReLU mask, stem backward) and the tails of the data gradients
+    // leave idle. The side branch's launches run in order, one at a time, on its half of the scratch.
+    auto fork_wgrad = [&](size_t event) {
+      if (!t.wgrad_branch) return;
+      check_cuda(cudaEventRecord(t.wgrad_fork[event], stream), "cudaEventRecord");
+      check_cuda(cudaStreamWaitEvent(m.side, t.wgrad_fork[event], 0), "cudaStreamWaitEvent");
+    };
     for (size_t ii = nb; ii-- > 0;) {
       const auto& b = m.blocks[ii];
       const BlockWeights& W = m.bw[ii];
       const BlockProblems& bp = probs[ii];
       const std::string where = " (block '" + b.prefix + "')";
       const BlockConvs& c = convs[ii];
-      const size_t wsb = t.scratch_bytes;
       check_cuda(kernels::launch_se_backward(se[ii], m.dtype, ws, stream), "squeeze-excite backward" + where);
-      check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], ws, wsb, stream),
+      fork_wgrad(2 * ii);
+      check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], wws, wsb, wstream),
                  "conv2 weight gradient (" + c.wgrad2.name() + ")" + where);
       // dh2 / scale = conv2^T(d_o); the ReLU-mask backward applies the scale.
       check_cuda(run_dgrad(c.dgrad2, bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2), wflip(W.conv2_flip),
                            tb.dh2[ii], ws, wsb, stream),
                  "conv2 data gradient (" + c.dgrad2.name() + ")" + where);
       check_cuda(kernels::launch_relu_mask_backward(mask[ii], m.dtype, ws, stream), "ReLU mask backward" + where);
-      check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], ws, wsb, stream),
+      fork_wgrad(2 * ii + 1);
+      check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], wws, wsb,
+                           wstream),
                  "conv1 weight gradient (" + c.wgrad1.name() + ")" + where);
       // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one data gradient over the concatenated filters.
       check_cuda(run_dgrad(c.dgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], wp(W.conv1), wflip(W.conv1_flip),
@@ -630,6 +674,10 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       }
     }
     check_cuda(kernels::launch_stem_backward(sb, m.dtype, ws, stream), "stem backward");
+    if (t.wgrad_branch) {  // join: the finalize reads every G
+      check_cuda(cudaEventRecord(t.wgrad_join, m.side), "cudaEventRecord");
+      check_cuda(cudaStreamWaitEvent(stream, t.wgrad_join, 0), "cudaStreamWaitEvent");
+    }
     check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs, int(jobs.size()), m.dtype, ws, stream),
                "gradient finalize");
   }, m.use_graphs);
