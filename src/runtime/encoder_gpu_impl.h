@@ -143,7 +143,9 @@ struct Geometry {
 struct Activations {
   void* base = nullptr;
   std::vector<void*> x, a, h2, idt, o;  // per block; x[b]: the block's input when its shortcut is the identity
-  std::vector<void*> y;                  // training only: every block's output, NHWC (the backward's ReLU masks)
+  // Training only: the block outputs the backward's ReLU masks read, NHWC; null where the next block has a shortcut
+  // conv: its a = y + b1a (faithful where y > 0, squeeze_excite's a_next) holds the mask instead.
+  std::vector<void*> y;
   void* x0 = nullptr;
   // Training: o holds conv2's raw output v and the squeeze-excite kernels (forward and backward) apply its FixUp
   // epilogue o = v * scale + b2b as they read it. A cuDNN conv2 then needs no epilogue pass over its output.
@@ -552,7 +554,7 @@ struct EncoderGpu::Impl {
         se.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
         if (!blocks[i + 1].has_downsample) se.y = act.x[i + 1];
       }
-      if (!act.y.empty()) se.y = act.y[i];
+      if (!act.y.empty() && act.y[i]) se.y = act.y[i];
       {
         kernels::PdlScope join(chain && !b.has_downsample);
         check_cuda(kernels::launch_squeeze_excite(se, dtype, stream), "squeeze-excite kernel");

@@ -13,7 +13,10 @@
 //   Every weight and data gradient runs the tuner's choice for its shape (backward_conv_selection.h): kfuse's CUTLASS
 //   kernels (a stride-1 dgrad as a forward conv with flipped filters) or cuDNN's.
 //   stem backward           -> dW_stem, sum da (block 1's b1a), and dL/dx when asked
-//   gradient finalize       -> KRSC sums (fp32, or T from cuDNN) into PyTorch's fp32 layouts (one launch)
+//   gradient finalize       -> per block, KRSC sums (fp32, or T from cuDNN) into PyTorch's fp32 layouts
+//
+// The weight gradients (and their finalize) run on a side branch of the backward: nothing on the data-gradient path
+// waits for them, so they fill the SMs that the memory-bound kernels and the data gradients' tails leave idle.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -58,11 +61,13 @@ struct TrainingState {
   GradJob* d_grad_jobs = nullptr;
   size_t grad_job_capacity = 0;
   // One scratch area for the backward's workspaces, in two equal halves: the main stream's launches use the first,
-  // the weight-gradient branch's the second (the launches of one stream run one after another).
+  // the weight-gradient branch's the second (the launches of one stream run one after another); then one area per
+  // block for its squeeze-excite backward, whose two phases run on the two branches.
   void* scratch = nullptr;
   size_t scratch_bytes = 0;  // per half
+  size_t se_scratch_bytes = 0;  // after the halves: one area per block for the squeeze-excite backward
   // The weight gradients run on a side branch (Impl::side): fork after the kernel that produces their dL/dout, one
-  // join before the gradient finalize (events, which stream capture turns into parallel graph branches).
+  // join at the end of the step (events, which stream capture turns into parallel graph branches).
   // KFUSE_WGRAD_BRANCH=0 keeps them on the main stream (for measuring the difference; PERF.md session 10).
   bool wgrad_branch = true;
   std::vector<cudaEvent_t> wgrad_fork;
@@ -149,15 +154,18 @@ size_t param_index(const TrainingState& t, const std::string& name) {
 // The first element of a training graph's key: which launch sequence it is.
 enum : int64_t { kForwardTrainGraph = 0, kBackwardGraph = 1 };
 
-// Two halves of `bytes` each (TrainingState::scratch).
-void ensure_scratch(TrainingState& t, size_t bytes) {
+// Two halves of `bytes` each (TrainingState::scratch), then `se_bytes` for the squeeze-excite backward's areas.
+void ensure_scratch(TrainingState& t, size_t bytes, size_t se_bytes) {
   bytes = align256(bytes);
-  if (bytes <= t.scratch_bytes) return;
+  if (bytes <= t.scratch_bytes && se_bytes <= t.se_scratch_bytes) return;
+  bytes = std::max(bytes, t.scratch_bytes);
+  se_bytes = std::max(se_bytes, t.se_scratch_bytes);
   cudaFree(t.scratch);  // synchronizes with the device: nothing in flight still uses the old area
   t.scratch = nullptr;
-  t.scratch_bytes = 0;
-  check_cuda(cudaMalloc(&t.scratch, 2 * bytes), "cudaMalloc (training scratch)");
+  t.scratch_bytes = t.se_scratch_bytes = 0;
+  check_cuda(cudaMalloc(&t.scratch, 2 * bytes + se_bytes), "cudaMalloc (training scratch)");
   t.scratch_bytes = bytes;
+  t.se_scratch_bytes = se_bytes;
 }
 
 void ensure_wgrad_events(TrainingState& t, size_t blocks) {
@@ -265,7 +273,9 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
     o.a = take(es * in);
     o.h2 = take(es * out);
     o.o = take(es * out);
-    o.y = take(es * out);
+    // The block output is kept where the backward's mask cannot come from the next block's a (Activations::y).
+    const bool last = offs.size() + 1 == m.blocks.size();
+    o.y = last || !m.blocks[offs.size() + 1].has_downsample ? take(es * out) : kNone;
     o.idt = b.has_downsample ? take(es * out) : kNone;
     o.d_o = take(es * out);
     o.dh2 = take(es * out);
@@ -493,6 +503,8 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
   std::vector<kernels::SeBackwardArgs> se(nb);
   std::vector<kernels::ReluMaskBackwardArgs> mask(nb);
   size_t scratch = 0;
+  std::vector<size_t> se_ws_offset(nb);
+  size_t se_ws_total = 0;
   {
     int h = g.h / 4, w = g.w / 4;
     for (size_t i = 0; i < nb; ++i) {
@@ -500,8 +512,12 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       const BlockWeights& W = m.bw[i];
       const int ho = h / b.stride, wo = w / b.stride;
       kernels::SeBackwardArgs& s = se[i];
-      s.y = tb.act.y[i];
       const bool last = i + 1 == nb;
+      s.y = tb.act.y[i];
+      if (!s.y) {  // the mask from the next block's a = y + b1a (Activations::y)
+        s.y = tb.act.a[i + 1];
+        s.y_offset = fp(m.bw[i + 1].scalars) + kB1a;
+      }
       s.dy = last ? dy.data : tb.dx[i + 1];
       s.dy_nchw = last;
       s.dy_f32 = last && dy.dtype == DType::F32;
@@ -520,7 +536,8 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       s.sum_d_o = grad(b.prefix + "fixup_bias2b");
       // dy of this block is dx of the next; when the next block has a shortcut conv, that is all of d(its a).
       s.sum_dy = !last && m.blocks[i + 1].has_downsample ? grad(m.blocks[i + 1].prefix + "fixup_bias1a") : nullptr;
-      scratch = std::max(scratch, kernels::se_backward_workspace_bytes(s));
+      se_ws_offset[i] = se_ws_total;  // its own area: its parameter phase may still run when the next block's starts
+      se_ws_total += align256(kernels::se_backward_workspace_bytes(s));
 
       kernels::ReluMaskBackwardArgs& r = mask[i];
       r.dh = tb.dh2[i];
@@ -567,10 +584,14 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
     scratch = std::max(scratch, kernels::stem_backward_workspace_bytes(sb));
   }
   // Gradient finalize jobs (their destinations move with `grads`: rebuilt per call, uploaded when changed).
+  // A block's jobs are contiguous, from job_first[i] to job_first[i + 1]: each block's are finalized as soon as its
+  // weight gradients are done, on their branch.
   std::vector<GradJob> jobs;
+  std::vector<int> job_first;
   for (size_t i = 0; i < nb; ++i) {
     const auto& b = m.blocks[i];
     const BlockWeights& W = m.bw[i];
+    job_first.push_back(int(jobs.size()));
     GradJob j1;
     j1.g = tb.g1[i], j1.g_is_t = convs[i].wgrad1.writes_t(), j1.dst = grad(b.prefix + "conv1.weight"), j1.kind = 0;
     j1.k = b.planes, j1.c = b.in_planes, j1.r = 3, j1.s = 3;
@@ -591,10 +612,11 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
     j2.k = b.planes, j2.c = b.planes, j2.r = 3, j2.s = 3;
     jobs.push_back(j2);
   }
+  job_first.push_back(int(jobs.size()));
   scratch = std::max(scratch, kernels::grad_finalize_workspace_bytes(int(jobs.size())));
   const void* const scratch_before = t.scratch;
   const GradJob* const jobs_before = t.d_grad_jobs;
-  ensure_scratch(t, std::max<size_t>(scratch, 256));
+  ensure_scratch(t, std::max<size_t>(scratch, 256), se_ws_total);
   if (jobs.size() > t.grad_job_capacity) {
     cudaFree(t.d_grad_jobs);
     t.d_grad_jobs = nullptr;
@@ -649,8 +671,12 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       const BlockProblems& bp = probs[ii];
       const std::string where = " (block '" + b.prefix + "')";
       const BlockConvs& c = convs[ii];
-      check_cuda(kernels::launch_se_backward(se[ii], m.dtype, ws, stream), "squeeze-excite backward" + where);
+      void* const se_ws = static_cast<uint8_t*>(t.scratch) + 2 * t.scratch_bytes + se_ws_offset[ii];
+      check_cuda(kernels::launch_se_backward_data(se[ii], m.dtype, se_ws, stream), "squeeze-excite backward" + where);
       fork_wgrad(2 * ii);
+      // The squeeze-excite's parameter gradients and scalar sums: nothing else reads them either.
+      check_cuda(kernels::launch_se_backward_params(se[ii], m.dtype, se_ws, wstream),
+                 "squeeze-excite parameter gradients" + where);
       check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], wws, wsb, wstream),
                  "conv2 weight gradient (" + c.wgrad2.name() + ")" + where);
       // dh2 / scale = conv2^T(d_o); the ReLU-mask backward applies the scale.
@@ -662,6 +688,9 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], wws, wsb,
                            wstream),
                  "conv1 weight gradient (" + c.wgrad1.name() + ")" + where);
+      check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs + job_first[ii], job_first[ii + 1] - job_first[ii],
+                                               m.dtype, wws, wstream),
+                 "gradient finalize" + where);
       // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one data gradient over the concatenated filters.
       check_cuda(run_dgrad(c.dgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], wp(W.conv1), wflip(W.conv1_flip),
                            tb.dx[ii], ws, wsb, stream),
@@ -674,12 +703,10 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       }
     }
     check_cuda(kernels::launch_stem_backward(sb, m.dtype, ws, stream), "stem backward");
-    if (t.wgrad_branch) {  // join: the finalize reads every G
+    if (t.wgrad_branch) {  // join: the step ends when every weight gradient is final
       check_cuda(cudaEventRecord(t.wgrad_join, m.side), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(stream, t.wgrad_join, 0), "cudaStreamWaitEvent");
     }
-    check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs, int(jobs.size()), m.dtype, ws, stream),
-               "gradient finalize");
   }, m.use_graphs);
 }
 

@@ -56,6 +56,8 @@ struct SeCase {
   bool nchw = false, f32 = false;  // dy NCHW, fp32
   bool sums = true;                // ask for the scalar sums
   bool raw_o = false;              // o given as conv2's raw output v with o_scale / o_shift (the training step's way)
+  bool y_offset = false;           // y given as the next block's a = y + b1a with y_offset (the training step's way)
+  bool two_streams = false;        // the data phase and the parameter phase on two streams (the training step's way)
 };
 
 void PrintTo(const SeCase& c, std::ostream* os) { *os << c.name; }
@@ -115,12 +117,19 @@ const SeCase kCases[] = {
     {"f16_b3_n1030_raw", kF16, 1030, 16, 256, 16, 256, 0, false, false, true, true},
     {"bf16_b4_nchw_f32_n33_raw", kBF16, 33, 4, 512, 32, 0, 0, true, true, true, true},
     {"f16_odd_n5_raw", kF16, 5, 9, 24, 3, 8, 8, false, false, true, true},
+    // y read back from a = y + b1a (faithful where y > 0, with tiny y that round to T(b1a)); phases on two streams
+    {"f16_b1_n33_yoff_2s", kF16, 33, 256, 64, 4, 0, 0, false, false, true, true, true, true},
+    {"bf16_b2_n33_yoff_2s", kBF16, 33, 64, 128, 8, 128, 0, false, false, true, true, true, true},
+    {"f16_b3_n1030_yoff", kF16, 1030, 16, 256, 16, 256, 0, false, false, true, true, true, false},
+    {"bf16_odd_n5_2s", kBF16, 5, 9, 24, 3, 8, 8, false, false, true, false, false, true},
 };
 
 // ---- inputs --------------------------------------------------------------------------------------------------------
 
 struct Inputs {
   std::vector<uint16_t> y, o;   // NHWC T; o is the SE input the reference uses
+  std::vector<uint16_t> y_stored;  // y_offset: what the kernel reads, T(y + y_off) but never T(y_off) where y > 0
+  float y_off = 0.f;
   std::vector<uint16_t> v;      // raw_o: what the kernel reads, with o = T(v * scale + shift) (fp32 fma)
   float scale = 1.f, shift = 0.f;
   std::vector<uint16_t> dy_t;   // dy as T (NHWC or NCHW), unless f32
@@ -161,6 +170,18 @@ Inputs make_inputs(const SeCase& c, std::mt19937& rng) {
   for (size_t i = 0; i < elems; ++i) {
     in.y[i] = float_to_bits(std::max(u11(rng), 0.0f), c.dtype);  // relu of random values: about half exact zeros
     in.o[i] = float_to_bits(u11(rng), c.dtype);
+  }
+  if (c.y_offset) {  // the forward's squeeze-excite store of a = y + b1a (numeric.cuh pack8_after_relu)
+    in.y_off = 0.3f + 0.2f * u11(rng);
+    const uint16_t off_t = float_to_bits(in.y_off, c.dtype);
+    in.y_stored.resize(elems);
+    for (size_t i = 0; i < elems; ++i) {
+      if (i % 7 == 3) in.y[i] = float_to_bits(1e-5f * std::abs(u11(rng)), c.dtype);  // active, yet a rounds to b1a
+      const float y = bits_to_float(in.y[i], c.dtype);
+      uint16_t b = float_to_bits(y + in.y_off, c.dtype);
+      if (y > 0.0f && b == off_t) b = uint16_t(b + 1);  // the next value above (b1a > 0 here)
+      in.y_stored[i] = b;
+    }
   }
   if (c.raw_o) {  // non-trivial FixUp scalars; o as the kernel must form it: one fp32 fma, one rounding to T
     in.scale = 0.75f + 0.5f * std::abs(u11(rng));
@@ -224,9 +245,9 @@ void upload(const SeCase& c, const Inputs& in, DeviceState* d) {
     ASSERT_EQ(b.alloc(bytes), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(b.ptr, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
   };
-  ASSERT_NO_FATAL_FAILURE(put(d->y, in.y.data(), elems * 2));
+  ASSERT_NO_FATAL_FAILURE(put(d->y, (c.y_offset ? in.y_stored : in.y).data(), elems * 2));
   ASSERT_NO_FATAL_FAILURE(put(d->o, (c.raw_o ? in.v : in.o).data(), elems * 2));
-  const float affine[2] = {in.scale, in.shift};
+  const float affine[3] = {in.scale, in.shift, in.y_off};
   ASSERT_NO_FATAL_FAILURE(put(d->affine, affine, sizeof(affine)));
   if (c.f32)
     ASSERT_NO_FATAL_FAILURE(put(d->dy, in.dy_f.data(), elems * 4));
@@ -258,6 +279,7 @@ SeBackwardArgs make_args(const SeCase& c, const DeviceState& d) {
   a.dy_f32 = c.f32;
   a.o = d.o.ptr;
   if (c.raw_o) a.o_scale = d.affine.as<float>(), a.o_shift = d.affine.as<float>() + 1;
+  if (c.y_offset) a.y_offset = d.affine.as<float>() + 2;
   a.n = c.n, a.hw = c.hw, a.p = c.p, a.hidden = c.hidden;
   a.w1 = d.w1.as<float>(), a.b1 = d.b1.as<float>(), a.w2 = d.w2.as<float>(), a.b2 = d.b2.as<float>();
   a.d_o = d.d_o.ptr;
@@ -291,7 +313,21 @@ void run(const SeCase& c, DeviceState* d, Outputs* out) {
 
   StreamGuard stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking), cudaSuccess);
-  ASSERT_EQ(kfuse::kernels::launch_se_backward(a, c.dtype, d->ws.ptr, stream.stream), cudaSuccess);
+  if (c.two_streams) {  // the parameter phase waits for the data phase through an event only
+    StreamGuard second;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&second.stream, cudaStreamNonBlocking), cudaSuccess);
+    cudaEvent_t done;
+    ASSERT_EQ(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), cudaSuccess);
+    ASSERT_EQ(kfuse::kernels::launch_se_backward_data(a, c.dtype, d->ws.ptr, stream.stream), cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(done, stream.stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamWaitEvent(second.stream, done, 0), cudaSuccess);
+    ASSERT_EQ(kfuse::kernels::launch_se_backward_params(a, c.dtype, d->ws.ptr, second.stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(second.stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream.stream), cudaSuccess);
+    ASSERT_EQ(cudaEventDestroy(done), cudaSuccess);
+  } else {
+    ASSERT_EQ(kfuse::kernels::launch_se_backward(a, c.dtype, d->ws.ptr, stream.stream), cudaSuccess);
+  }
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream.stream), cudaSuccess);
 

@@ -14,12 +14,6 @@
 namespace kfuse::kernels {
 namespace {
 
-// The next value above `bits` (a finite 16-bit float), as fixup_epilogue.h's next_up.
-__device__ __forceinline__ uint32_t next_up_bits(uint32_t bits) {
-  if ((bits & 0x7fffu) == 0) return 1u;  // +-0 -> smallest positive
-  return (bits & 0x8000u) ? bits - 1 : bits + 1;
-}
-
 // The epilogue's scalars, read once per thread from device memory (nullptr: 1, 0, 0).
 template <class T>
 struct EpilogueScalars {

@@ -26,7 +26,9 @@ namespace kfuse::kernels {
 //   dw1[j][c] = sum_n d_z1[n][j] * m[n][c],  db1[j] = sum_n d_z1[n][j],
 //   dw2[c][j] = sum_n d_z2[n][c] * r[n][j],  db2[c] = sum_n d_z2[n][c].
 struct SeBackwardArgs {
-  const void* y = nullptr;   // block output (after the ReLU), NHWC [n][hw][p] of T
+  const void* y = nullptr;   // block output (after the ReLU), NHWC [n][hw][p] of T; or y + *y_offset as the forward
+  const float* y_offset = nullptr;  // stored it (the next block's a, squeeze_excite's a_next): the ReLU was active
+                                    // where y > T(*y_offset) (null: where y > 0)
   const void* dy = nullptr;  // dL/dy: NHWC [n][hw][p] of T; or, when dy_nchw, NCHW [n][p][hw] of T or fp32 (dy_f32)
   bool dy_nchw = false;
   bool dy_f32 = false;       // only with dy_nchw
@@ -51,6 +53,13 @@ struct SeBackwardArgs {
 };
 size_t se_backward_workspace_bytes(const SeBackwardArgs& args);
 cudaError_t launch_se_backward(const SeBackwardArgs& args, ConvDType dtype, void* workspace, cudaStream_t stream);
+// The same in two phases on one workspace: _data writes d_o and dz (what the rest of the backward waits for), _params
+// the parameter gradients and the scalar sums from what _data left in the workspace. A caller may run _params on
+// another stream, after _data and before anything else writes the workspace (the training step does: PERF.md
+// session 10).
+cudaError_t launch_se_backward_data(const SeBackwardArgs& args, ConvDType dtype, void* workspace, cudaStream_t stream);
+cudaError_t launch_se_backward_params(const SeBackwardArgs& args, ConvDType dtype, void* workspace,
+                                      cudaStream_t stream);
 
 // Backward of conv1's epilogue h2 = relu(v) + b2a (v = conv1 + b1b; h2 is what the forward stored): the gradient
 // at v is dh where the ReLU was active. The mask is read from h2 itself: active iff h2 > T(b2a) (b2a rounded to T

@@ -34,7 +34,8 @@ cudaError_t launch_stem(const StemArgs& args, ConvDType dtype, cudaStream_t stre
 // squeeze-excitation and residual of one block, one CTA per image:
 //   g = sigmoid(fc2(relu(fc1(mean_hw(o))))),  y = relu(o * g + identity)
 // o, identity: NHWC (HW x P per image) of T. fc weights/biases fp32 (fc1: [hidden, P], fc2: [P, hidden]).
-// Outputs, each optional: y (NHWC, T); a_next = y + *next_b1a (NHWC, T); out (NCHW, T or fp32 as out_f32).
+// Outputs, each optional: y (NHWC, T); a_next = y + *next_b1a (NHWC, T; an active y never stores T(next_b1a), so
+// y > 0 <=> a_next > T(next_b1a): numeric.cuh pack8_after_relu); out (NCHW, T or fp32 as out_f32).
 // With o_scale (and o_shift), o holds conv2's raw output v and the kernel reads o = T(v * *o_scale + *o_shift) (the
 // training step: conv2's FixUp epilogue applied here instead of in a pass over v, numeric.cuh affine8).
 struct SqueezeExciteArgs {

@@ -74,6 +74,35 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
 }
 
+// The next value above `bits`, a finite 16-bit float of T (fp16 or bf16 bits; +-0 -> the smallest positive).
+__device__ __forceinline__ uint32_t next_up_bits(uint32_t bits) {
+  if ((bits & 0x7fffu) == 0) return 1u;
+  return (bits & 0x8000u) ? bits - 1 : bits + 1;
+}
+
+// T(post + v) of 8 values v after a ReLU (v >= 0, or NaN), where a positive v never stores T(post): the next value
+// above it instead (faithful rounding, within one ulp). Then v > 0 <=> stored > T(post), exactly, and a backward reads
+// the ReLU's decision from the stored sum alone (fixup_epilogue.h does the same for conv1's h2 = relu(.) + b2a; the
+// squeeze-excite for the next block's a = relu(.) + b1a). post == 0 stores T(v): the decision is then T(v) > 0.
+template <class T>
+__device__ __forceinline__ uint4 pack8_after_relu(const float (&v)[8], float post) {
+  const uint32_t post_bits = t_bits<T>(to_t<T>(post));
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t out = 0;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float x = v[2 * j + k];
+      uint32_t b = t_bits<T>(to_t<T>(post + x));
+      if (post != 0.0f && x > 0.0f && b == post_bits) b = next_up_bits(b);
+      out |= b << (16 * k);
+    }
+    w[j] = out;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // A raw convolution output v (in fp32) -> T(v * scale + shift), returned in fp32: one fp32 fma, one round-to-nearest
 // to T. This is conv2's FixUp epilogue o = acc * scale + b2b as the training step's readers of o apply it instead of a
 // pass over conv2's output; the squeeze-excite kernels, forward (fast and generic) and backward, use only this rule

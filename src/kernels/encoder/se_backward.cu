@@ -68,6 +68,7 @@ enum DyMode : int {
 // Everything the main kernel needs; shared-memory offsets (bytes) come from the host's plan (plan_main).
 struct MainParams {
   const void* y;
+  const float* y_offset;  // null: the ReLU was active where y > 0; else where y > T(*y_offset)
   const void* dy;
   const void* o;
   const float* o_scale;  // null: o is the SE input itself; else o = T(o * scale + shift)
@@ -303,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 2) se_backward_main_kernel(const Mai
     __syncthreads();
   }
 
-  // Pass 1: dz = dy * (y > 0) -> global and stage; column sums of o and dz * o; scalar sums of dy and dz.
+  // Pass 1: dz = dy * (y > threshold) -> global and stage; column sums of o and dz * o; scalar sums of dy and dz.
   float so[8], sd[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) so[j] = 0.f, sd[j] = 0.f;
@@ -314,6 +315,7 @@ __global__ void __launch_bounds__(kThreads, 2) se_backward_main_kernel(const Mai
     const T* y = static_cast<const T*>(a.y);
     const bool raw = a.o_scale != nullptr;
     const float o_sc = raw ? __ldg(a.o_scale) : 1.f, o_sh = raw ? __ldg(a.o_shift) : 0.f;
+    const float y_thr = a.y_offset ? to_f(to_t<T>(__ldg(a.y_offset))) : 0.f;
 #pragma unroll 2
     for (int i = s; i < hw; i += slr) {
       const int64_t pix = int64_t(img) * hw + i;
@@ -326,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 2) se_backward_main_kernel(const Mai
       unpack8<T>(yv, yf);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        dzf[j] = yf[j] > 0.f ? dyf[j] : 0.f;
+        dzf[j] = yf[j] > y_thr ? dyf[j] : 0.f;
         so[j] += of[j];
         sd[j] = fmaf(dzf[j], of[j], sd[j]);
         s_dy += dyf[j];
@@ -807,28 +809,15 @@ size_t se_backward_workspace_bytes(const SeBackwardArgs& args) {
   return ws_layout(n, p, hidden).total;
 }
 
-cudaError_t launch_se_backward(const SeBackwardArgs& a, ConvDType dtype, void* workspace, cudaStream_t stream) {
-  if (!valid_args(a, dtype) || !workspace || !aligned(workspace, 16)) return cudaErrorInvalidValue;
+namespace {
 
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const Plan pl = choose_plan(a, sm_count(dev));
-  const WsLayout wl = ws_layout(a.n, a.p, a.hidden);
-  unsigned char* ws = static_cast<unsigned char*>(workspace);
-  float* w1t = reinterpret_cast<float*>(ws + wl.w1t);
-  float* w2t = reinterpret_cast<float*>(ws + wl.w2t);
-
-  // 1. the weight transposes
-  {
-    const dim3 grid((a.p + 31) / 32, (a.hidden + 31) / 32, 2);
-    se_transpose_kernel<<<grid, 256, 0, stream>>>(a.w1, a.w2, w1t, w2t, a.p, a.hidden);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-  // 2. the per-image pass
+// The main kernel's parameters for these arguments (the same in both phases: the plan depends only on the arguments
+// and the device's SM count).
+MainParams main_params(const SeBackwardArgs& a, const Plan& pl, const WsLayout& wl, unsigned char* ws) {
   MainParams mp{};
-  mp.y = a.y, mp.dy = a.dy, mp.o = a.o, mp.o_scale = a.o_scale, mp.o_shift = a.o_shift;
-  mp.w1 = a.w1, mp.w1t = w1t, mp.b1 = a.b1, mp.w2 = a.w2, mp.w2t = w2t, mp.b2 = a.b2;
+  mp.y = a.y, mp.y_offset = a.y_offset, mp.dy = a.dy, mp.o = a.o, mp.o_scale = a.o_scale, mp.o_shift = a.o_shift;
+  mp.w1 = a.w1, mp.w1t = reinterpret_cast<float*>(ws + wl.w1t), mp.b1 = a.b1;
+  mp.w2 = a.w2, mp.w2t = reinterpret_cast<float*>(ws + wl.w2t), mp.b2 = a.b2;
   mp.d_o = a.d_o, mp.dz = a.dz;
   mp.ws_m = reinterpret_cast<float*>(ws + wl.m);
   mp.ws_dz2 = reinterpret_cast<float*>(ws + wl.dz2);
@@ -842,9 +831,45 @@ cudaError_t launch_se_backward(const SeBackwardArgs& a, ConvDType dtype, void* w
   mp.sl_rows = pl.sl_rows, mp.sl_col = pl.sl_col, mp.prereduce = pl.prereduce;
   mp.off_stage = pl.off_stage, mp.off_dyst = pl.off_dyst, mp.off_po = pl.off_po, mp.off_pd = pl.off_pd;
   mp.off_y = pl.off_y, mp.off_r1 = pl.off_r1, mp.off_d1 = pl.off_d1, mp.off_red = pl.off_red;
-  err = dtype == ConvDType::kF16 ? launch_main_typed<__half>(mp, pl, dev, stream)
-                                 : launch_main_typed<__nv_bfloat16>(mp, pl, dev, stream);
+  return mp;
+}
+
+cudaError_t current_device(int* dev) { return cudaGetDevice(dev); }
+
+}  // namespace
+
+cudaError_t launch_se_backward_data(const SeBackwardArgs& a, ConvDType dtype, void* workspace, cudaStream_t stream) {
+  if (!valid_args(a, dtype) || !workspace || !aligned(workspace, 16)) return cudaErrorInvalidValue;
+  int dev = 0;
+  cudaError_t err = current_device(&dev);
   if (err != cudaSuccess) return err;
+  const Plan pl = choose_plan(a, sm_count(dev));
+  const WsLayout wl = ws_layout(a.n, a.p, a.hidden);
+  unsigned char* ws = static_cast<unsigned char*>(workspace);
+  const MainParams mp = main_params(a, pl, wl, ws);
+
+  // 1. the weight transposes
+  {
+    const dim3 grid((a.p + 31) / 32, (a.hidden + 31) / 32, 2);
+    se_transpose_kernel<<<grid, 256, 0, stream>>>(a.w1, a.w2, const_cast<float*>(mp.w1t),
+                                                  const_cast<float*>(mp.w2t), a.p, a.hidden);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  // 2. the per-image pass
+  return dtype == ConvDType::kF16 ? launch_main_typed<__half>(mp, pl, dev, stream)
+                                  : launch_main_typed<__nv_bfloat16>(mp, pl, dev, stream);
+}
+
+cudaError_t launch_se_backward_params(const SeBackwardArgs& a, ConvDType dtype, void* workspace,
+                                      cudaStream_t stream) {
+  if (!valid_args(a, dtype) || !workspace || !aligned(workspace, 16)) return cudaErrorInvalidValue;
+  int dev = 0;
+  cudaError_t err = current_device(&dev);
+  if (err != cudaSuccess) return err;
+  const Plan pl = choose_plan(a, sm_count(dev));
+  const WsLayout wl = ws_layout(a.n, a.p, a.hidden);
+  unsigned char* ws = static_cast<unsigned char*>(workspace);
+  const MainParams mp = main_params(a, pl, wl, ws);
   // 3. parameter-gradient partials over chunks of images
   ParamParams pp{};
   pp.m = mp.ws_m, pp.dz2 = mp.ws_dz2, pp.r = mp.ws_r, pp.dz1 = mp.ws_dz1;
@@ -868,6 +893,11 @@ cudaError_t launch_se_backward(const SeBackwardArgs& a, ConvDType dtype, void* w
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+cudaError_t launch_se_backward(const SeBackwardArgs& a, ConvDType dtype, void* workspace, cudaStream_t stream) {
+  const cudaError_t err = launch_se_backward_data(a, dtype, workspace, stream);
+  return err != cudaSuccess ? err : launch_se_backward_params(a, dtype, workspace, stream);
 }
 
 }  // namespace kfuse::kernels

@@ -254,7 +254,8 @@ __device__ __forceinline__ void fc2(const float4 (&w2r)[Geo<P, G>::K2], const fl
   }
 }
 
-// Excite and join of vector v: y = relu(o * gate + identity) -> y, a_next = y + nb1a (global, T) and, for the NCHW
+// Excite and join of vector v: y = relu(o * gate + identity) -> y, a_next = y + nb1a (global, T; faithful where y > 0)
+// and, for the NCHW
 // output, the stage ([G*hw][P], fp32 or T).
 template <class T, int P, int G>
 __device__ __forceinline__ void excite_vector(const SqueezeExciteArgs& a, int64_t base, int v, int hw, uint4 o8,
@@ -270,12 +271,7 @@ __device__ __forceinline__ void excite_vector(const SqueezeExciteArgs& a, int64_
 #pragma unroll
   for (int e = 0; e < 8; ++e) y[e] = relu_nan(fmaf(of[e], gv[e], idf[e]));
   if (a.y) reinterpret_cast<uint4*>(static_cast<T*>(a.y) + base)[v] = pack8<T>(y);
-  if (a.a_next) {
-    float an[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) an[e] = y[e] + nb1a;
-    reinterpret_cast<uint4*>(static_cast<T*>(a.a_next) + base)[v] = pack8<T>(an);
-  }
+  if (a.a_next) reinterpret_cast<uint4*>(static_cast<T*>(a.a_next) + base)[v] = pack8_after_relu<T>(y, nb1a);
   if (a.out_nchw) {
     if (a.out_f32) {
       float4* d = reinterpret_cast<float4*>(static_cast<float*>(stage) + size_t(row) * P + c0);
@@ -479,17 +475,16 @@ __global__ void __launch_bounds__(kThreads) squeeze_excite_generic_kernel(const 
     const int64_t e = v * 8;
     const int c0 = int(e % a.p);
     const int i = int(e / a.p);
-    float of[8], idf[8], y[8], an[8];
+    float of[8], idf[8], y[8];
     const uint4 o8 = *reinterpret_cast<const uint4*>(o + e);
     unpack8<T>(raw ? affine8<T>(o8, sc, sh) : o8, of);
     unpack8<T>(*reinterpret_cast<const uint4*>(idt + e), idf);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       y[k] = relu_keep_nan(of[k] * gate[c0 + k] + idf[k]);
-      an[k] = y[k] + nb1a;
     }
     if (a.y) *reinterpret_cast<uint4*>(static_cast<T*>(a.y) + base + e) = pack8<T>(y);
-    if (a.a_next) *reinterpret_cast<uint4*>(static_cast<T*>(a.a_next) + base + e) = pack8<T>(an);
+    if (a.a_next) *reinterpret_cast<uint4*>(static_cast<T*>(a.a_next) + base + e) = pack8_after_relu<T>(y, nb1a);
     if (a.out_nchw) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
