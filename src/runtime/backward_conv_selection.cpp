@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/conv/cudnn_conv.h"
+#include "kernels/conv/dense_conv.h"
 #include "kfuse/device.h"
 #include "kfuse/error.h"
 #include "runtime/cuda_check.h"
@@ -51,6 +52,7 @@ int wgrad_split(const Conv2dProblem& p, BackwardTile t, int sm_count) {
 
 // --- weight gradient --------------------------------------------------------------------------------------------
 std::string WgradChoice::name() const {
+  if (dense) return "dense_gemm";
   return cudnn ? "cudnn_a" + std::to_string(algo)
                : std::string("sm80_") + tile_name(tile) + "_k" + std::to_string(split_k);
 }
@@ -65,6 +67,7 @@ WgradChoice wgrad_heuristic(const Conv2dProblem& p, ConvDType dtype, int sm_coun
 }
 
 bool wgrad_can_implement(const WgradChoice& c, const Conv2dProblem& p, ConvDType dtype) {
+  if (c.dense) return kernels::dense_conv_can_implement(p, dtype);
   if (c.cudnn) return kernels::cudnn_conv_workspace_bytes(CudnnConvOp::kWgrad, p, dtype, c.algo) != SIZE_MAX;
   return kernels::conv2d_wgrad_can_implement(p, dtype, c.tile, c.split_k);
 }
@@ -92,10 +95,14 @@ std::vector<WgradChoice> wgrad_candidates(const Conv2dProblem& p, ConvDType dtyp
     c.algo = algo;
     add(c);
   }
+  WgradChoice dense;
+  dense.dense = true;
+  add(dense);  // tiny images only (dense_conv_can_implement)
   return out;
 }
 
 size_t wgrad_workspace_bytes(const WgradChoice& c, const Conv2dProblem& p, ConvDType dtype) {
+  if (c.dense) return kernels::dense_conv_wgrad_workspace_bytes(p, dtype);
   if (c.cudnn) {
     const size_t b = kernels::cudnn_conv_workspace_bytes(CudnnConvOp::kWgrad, p, dtype, c.algo);
     return b == SIZE_MAX ? 0 : b;
@@ -106,6 +113,8 @@ size_t wgrad_workspace_bytes(const WgradChoice& c, const Conv2dProblem& p, ConvD
 cudaError_t run_wgrad(const WgradChoice& c, const Conv2dProblem& p, ConvDType dtype, const void* dy, const void* x,
                       void* dw, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (c.cudnn) return kernels::cudnn_conv_wgrad(p, dtype, c.algo, dy, x, dw, workspace, workspace_bytes, stream);
+  if (c.dense)
+    return kernels::dense_conv_wgrad(p, dtype, dy, x, static_cast<float*>(dw), workspace, workspace_bytes, stream);
   return kernels::conv2d_wgrad(p, dtype, c.tile, c.split_k, dy, x, static_cast<float*>(dw), workspace,
                                workspace_bytes, stream);
 }

@@ -10,6 +10,7 @@
 #include "kfuse/device.h"
 #include "kfuse/error.h"
 #include "kernels/conv/cudnn_conv.h"
+#include "kernels/conv/dense_conv.h"
 #include "kernels/conv/fixup_epilogue_pass.h"
 #include "runtime/op_tuning.h"
 #include "runtime/cuda_check.h"
@@ -60,12 +61,14 @@ int64_t tiles(const Conv2dProblem& p, ConvTile t) {
 
 std::string ConvConfig::name() const {
   if (is_cudnn()) return "cudnn_a" + std::to_string(cudnn_algo);
+  if (dense) return "dense_gemm";
   const std::string base = tile_info(tile).name;
   if (is_sm90_tile(tile)) return base;
   return base + (parallel ? "_p" : "_k") + std::to_string(split_k);
 }
 
 bool fixup_conv_can_implement(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype) {
+  if (c.dense) return kernels::dense_conv_can_implement(p, dtype);  // K % 8 == 0 too: the epilogue pass's vectors
   if (c.parallel) return kernels::conv2d_fprop_fixup_parallel_can_implement(p, dtype, c.tile, c.split_k);
   if (!c.is_cudnn()) return kernels::conv2d_fprop_fixup_can_implement(p, dtype, c.tile, c.split_k);
   // The epilogue pass runs on 16-byte vectors: K % 8 == 0 keeps the output a whole number of them.
@@ -74,6 +77,7 @@ bool fixup_conv_can_implement(const ConvConfig& c, const Conv2dProblem& p, ConvD
 }
 
 size_t fixup_conv_workspace_bytes(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype) {
+  if (c.dense) return kernels::dense_conv_fprop_workspace_bytes(p, dtype);
   if (c.parallel) return kernels::conv2d_fprop_fixup_parallel_workspace_bytes(p, dtype, c.tile, c.split_k);
   if (!c.is_cudnn()) return kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k);
   const size_t b = kernels::cudnn_conv_workspace_bytes(kernels::CudnnConvOp::kFprop, p, dtype, c.cudnn_algo);
@@ -86,10 +90,11 @@ cudaError_t run_fixup_conv(const ConvConfig& c, const Conv2dProblem& p, ConvDTyp
   if (c.parallel)
     return kernels::conv2d_fprop_fixup_parallel(p, dtype, c.tile, x, w, y, e, c.split_k, workspace, workspace_bytes,
                                                 stream);
-  if (!c.is_cudnn())
+  if (!c.is_cudnn() && !c.dense)
     return kernels::conv2d_fprop_fixup(p, dtype, c.tile, x, w, y, e, c.split_k, workspace, workspace_bytes, stream);
   const cudaError_t err =
-      kernels::cudnn_conv_fprop(p, dtype, c.cudnn_algo, x, w, y, workspace, workspace_bytes, stream);
+      c.dense ? kernels::dense_conv_fprop(p, dtype, x, w, y, workspace, workspace_bytes, stream)
+              : kernels::cudnn_conv_fprop(p, dtype, c.cudnn_algo, x, w, y, workspace, workspace_bytes, stream);
   if (err != cudaSuccess || kernels::fixup_epilogue_is_identity(e)) return err;
   return kernels::fixup_epilogue_inplace(y, size_t(gemm_m(p)) * p.k, dtype, e, stream);
 }
@@ -154,6 +159,9 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
   // SMs idle and only lengthen tuning.
   for (ConvTile t : {ConvTile::kSm90_128x128, ConvTile::kSm90_256x64})
     if (tiles(p, t) >= 2 * int64_t(sm_count)) add({t, 1});
+  ConvConfig dense;
+  dense.dense = true;
+  if (!out.empty()) add(dense);  // tiny images only (dense_conv_can_implement)
   if (!out.empty()) {
     // Workspace capped (the encoder keeps two halves of the largest one): fast forward algorithms need little.
     constexpr size_t kMaxCudnnWorkspace = size_t(256) << 20;

@@ -22,12 +22,17 @@ struct ConvConfig {
   // element-wise pass (kernels/conv/fixup_epilogue_pass.h): the tuner's way to never be slower than cuDNN.
   int cudnn_algo = -1;
   bool is_cudnn() const { return cudnn_algo >= 0; }
-  // e.g. "sm80_128x64_k2", "sm80_128x128_p8" (parallel), "sm90_128x64", "cudnn_a1": stable, they are the tuning
-  // cache's values.
+  // One dense GEMM over the flattened images (kernels/conv/dense_conv.h: tiny images, no padding taps multiplied),
+  // then the FixUp epilogue as a separate pass, like cuDNN's.
+  bool dense = false;
+  // Runs a library's launches (cuDNN's, cuBLAS's), which kfuse does not see: no programmatic launch next to them.
+  bool is_library() const { return is_cudnn() || dense; }
+  // e.g. "sm80_128x64_k2", "sm80_128x128_p8" (parallel), "sm90_128x64", "cudnn_a1", "dense_gemm": stable, they are
+  // the tuning cache's values.
   std::string name() const;
   bool operator==(const ConvConfig& o) const {
-    return cudnn_algo == o.cudnn_algo &&
-           (is_cudnn() || (tile == o.tile && split_k == o.split_k && parallel == o.parallel));
+    return cudnn_algo == o.cudnn_algo && dense == o.dense &&
+           (is_cudnn() || dense || (tile == o.tile && split_k == o.split_k && parallel == o.parallel));
   }
 };
 

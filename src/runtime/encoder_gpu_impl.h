@@ -457,14 +457,14 @@ struct EncoderGpu::Impl {
     if (capture == cudaStreamCaptureStatusNone) tune(g, tuning_mode, nullptr);
   }
 
-  // Whether any convolution of geometry g runs through cuDNN, whose launches (a memset, several kernels) kfuse does
-  // not see: then no launch of the forward is programmatic.
+  // Whether any convolution of geometry g runs through cuDNN or cuBLAS, whose launches (a memset, several kernels)
+  // kfuse does not see: then no launch of the forward is programmatic.
   bool any_cudnn(const Geometry& g) const {
     int h = g.h / 4, w = g.w / 4;
     for (const auto& b : blocks) {
       const auto probs = problems(b, g.n, h, w);
       for (size_t j = 0; j < probs.size(); ++j)
-        if (choose(probs[j], j == 0).is_cudnn()) return true;
+        if (choose(probs[j], j == 0).is_library()) return true;
       h /= b.stride;
       w /= b.stride;
     }

@@ -132,8 +132,14 @@ TEST_P(BackwardCandidates, EveryDgradCandidateMatchesFloat64) {
   StreamGuard stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking), cudaSuccess);
   const kfuse::ConvConfig fprop = kfuse::conv_heuristic(kfuse::flipped_forward_problem(p), 132, dt);
-  const auto cands = kfuse::dgrad_candidates(p, dt, fprop);
+  auto cands = kfuse::dgrad_candidates(p, dt, fprop);
   ASSERT_FALSE(cands.empty());
+  // The flipped forward as one dense GEMM, where the forward tuner may choose it (2x2 maps).
+  kfuse::ConvConfig dense;
+  dense.dense = true;
+  DgradChoice flipped_dense;
+  flipped_dense.fprop = dense;
+  if (kfuse::dgrad_can_implement(flipped_dense, p, dt)) cands.push_back(flipped_dense);
   for (const DgradChoice& c : cands) {
     SCOPED_TRACE(c.name());
     DeviceBuffer ws;

@@ -4,6 +4,7 @@
 
 #include <set>
 
+#include "kernels/conv/dense_conv.h"
 #include "runtime/conv_selection.h"
 
 namespace {
@@ -86,6 +87,26 @@ TEST(ConvSelection, ParallelSplitOnlyWhereTilesLeaveSmsIdle) {
   EXPECT_TRUE(any_parallel);
   for (const ConvConfig& c : kfuse::conv_candidates(problem(2048, 2, 512, 512, 1), ConvDType::kF16, 9, 132))
     EXPECT_FALSE(c.parallel && c.tile == ConvTile::k128x128) << c.name() << ": 256 tiles already fill 132 SMs";
+}
+
+TEST(ConvSelection, DenseGemmOnlyWhereItSkipsPaddingTaps) {
+  // 2x2 maps under a 3x3 filter: 4 of 9 taps are real, so the dense GEMM does 4/9 of the implicit GEMM's work; at
+  // 4x4 (16 pixels > 9 taps) it would do more.
+  auto has_dense = [](const Conv2dProblem& p) {
+    for (const ConvConfig& c : kfuse::conv_candidates(p, ConvDType::kF16, 9, 132))
+      if (c.dense) return true;
+    return false;
+  };
+  EXPECT_TRUE(has_dense(problem(2048, 2, 512, 512, 1)));
+  EXPECT_TRUE(has_dense(problem(1, 2, 512, 512, 1)));
+  EXPECT_FALSE(has_dense(problem(2048, 4, 256, 256, 1)));
+  EXPECT_FALSE(has_dense(problem(2048, 4, 256, 512, 2)));
+  ConvConfig dense;
+  dense.dense = true;
+  EXPECT_EQ(dense.name(), "dense_gemm");
+  EXPECT_TRUE(dense.is_library());
+  EXPECT_FALSE(dense == ConvConfig{});
+  EXPECT_FALSE(kfuse::kernels::dense_conv_can_implement(problem(4, 2, 12, 512, 1), ConvDType::kF16));  // C % 8
 }
 
 TEST(ConvSelection, SplitKKeepsSlicesDeepAndGridsBounded) {
