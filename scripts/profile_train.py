@@ -1,6 +1,8 @@
 """Per-kernel GPU time of kfuse's training step (forward + backward) at batch N (default 2048), C = 3, fp16, from
 torch.profiler's CUDA activity: what PERF.md's training breakdown is made of. Usage: python scripts/profile_train.py [N]"""
+import statistics
 import sys
+import time
 
 import torch
 from kernel_profile import kernel_times
@@ -29,6 +31,20 @@ def main():
     end.synchronize()
     print(f"kfuse training step N={n}: {total / 1e3:.3f} ms of kernel time per step, "
           f"{start.elapsed_time(end) / steps:.3f} ms per step back to back")
+    # Host time of one synchronized step: where the latency exceeds the back-to-back time.
+    phases = []
+    for _ in range(200):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y = enc(x)
+        t1 = time.perf_counter()
+        torch.autograd.grad(y, params, dy)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2, time.perf_counter() - t0))
+    med = [statistics.median(p[i] for p in phases) * 1e3 for i in range(4)]
+    print(f"synchronized step (median of 200): {med[3]:.3f} ms = forward call {med[0]:.3f} + backward call "
+          f"{med[1]:.3f} + wait {med[2]:.3f} (host ms)")
     for name, us, cnt in rows[:60]:
         # CUTLASS 2.x conv kernels differ only deep in their mangled names: keep the tile shapes and operator.
         short = name if "cutlass" not in name else " ".join(

@@ -40,19 +40,18 @@ __device__ __forceinline__ int tap(const Geo& p, int ph, int pw, int qh, int qw)
   return (r >= 0 && r < p.r && s >= 0 && s < p.s) ? r * p.s + s : -1;
 }
 
-// Wd[po][k][q][c] (row-major [nd][kd]) from w[k][r][s][c]: one thread per 8 channels (16 bytes).
+// Wd[po][k][q][c] (row-major [nd][kd]) from w[k][r][s][c]: one thread per 8 channels (16 bytes), one (po, k) row
+// per blockIdx.y (32-bit index arithmetic: 64-bit divisions made this gather 2x slower than its bytes).
 __global__ void __launch_bounds__(256) unroll_filter_kernel(Geo p, const uint4* w, uint4* wd) {
-  const int c8 = p.c / 8;
-  const int64_t total = int64_t(p.p) * p.q * p.k * p.h * p.w * c8;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int cv = int(i % c8);
-    int64_t rest = i / c8;
-    const int q = int(rest % (p.h * p.w));
-    rest /= p.h * p.w;
-    const int k = int(rest % p.k);
-    const int po = int(rest / p.k);
-    const int t = tap(p, po / p.q, po % p.q, q / p.w, q % p.w);
-    wd[i] = t < 0 ? make_uint4(0, 0, 0, 0) : w[(int64_t(k) * p.r * p.s + t) * c8 + cv];
+  const int c8 = p.c / 8, row_vecs = p.h * p.w * c8;
+  const int row = blockIdx.y, k = row % p.k, po = row / p.k;
+  const int ph = po / p.q, pw = po % p.q;
+  uint4* out = wd + int64_t(row) * row_vecs;
+  const uint4* wk = w + int64_t(k) * p.r * p.s * c8;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < row_vecs; i += gridDim.x * blockDim.x) {
+    const int cv = i % c8, q = i / c8;
+    const int t = tap(p, ph, pw, q / p.w, q % p.w);
+    out[i] = t < 0 ? make_uint4(0, 0, 0, 0) : wk[t * c8 + cv];
   }
 }
 
@@ -130,7 +129,7 @@ bool dense_conv_can_implement(const Conv2dProblem& p, ConvDType dtype) {
   if (p.n < 1 || p.h < 1 || p.w < 1 || p.c < 8 || p.k < 8 || p.c % 8 || p.k % 8 || p.r < 1 || p.s < 1) return false;
   if (p.p() < 1 || p.q() < 1 || p.h * p.w > p.r * p.s) return false;
   const Dims d = dims(p);
-  if (d.kd > INT32_MAX || d.nd > INT32_MAX || int64_t(p.n) > INT32_MAX) return false;
+  if (d.kd > INT32_MAX || d.nd > 65535) return false;  // the gather's grid.y
   return size_t(d.kd) * size_t(d.nd) * 4 <= kMaxUnrolledBytes;  // fp32: the weight gradient's
 }
 
@@ -148,8 +147,8 @@ cudaError_t dense_conv_fprop(const Conv2dProblem& p, ConvDType dtype, const void
   const Dims d = dims(p);
   auto* wd = static_cast<uint8_t*>(workspace);
   void* cublas_ws = wd + up256(size_t(d.kd) * d.nd * 2);
-  unroll_filter_kernel<<<grid_for(d.kd * d.nd / 8), 256, 0, stream>>>(geo(p), static_cast<const uint4*>(w),
-                                                                       reinterpret_cast<uint4*>(wd));
+  const dim3 grid(unsigned((d.kd / 8 + 255) / 256), unsigned(d.nd));
+  unroll_filter_kernel<<<grid, 256, 0, stream>>>(geo(p), static_cast<const uint4*>(w), reinterpret_cast<uint4*>(wd));
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   // Row-major y[n][nd] = x[n][kd] Wd^T, Wd row-major [nd][kd]: column-major y^T = op_T(Wd) x^T.
   const cudaDataType_t t = cuda_type(dtype);
