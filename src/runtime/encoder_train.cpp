@@ -68,9 +68,7 @@ struct TrainingState {
   size_t se_scratch_bytes = 0;  // after the halves: one area per block for the squeeze-excite backward
   // The weight gradients run on a side branch (Impl::side): fork after the kernel that produces their dL/dout, one
   // join at the end of the step (events, which stream capture turns into parallel graph branches).
-  // KFUSE_WGRAD_BRANCH (PERF.md session 10): 0 all on the main stream; 1 the weight gradients on the branch; 2 and
-  // their finalize; 3 and the squeeze-excite's parameter phase.
-  int branch_level = 3;
+  // KFUSE_WGRAD_BRANCH=0 keeps everything on the main stream (for measuring the difference; PERF.md session 10).
   bool wgrad_branch = true;
   std::vector<cudaEvent_t> wgrad_fork;
   cudaEvent_t wgrad_join = nullptr;
@@ -120,15 +118,10 @@ TrainingState& training(EncoderGpu::Impl& m) {
     TrainingState& t = *m.training;
     if (const char* v = std::getenv("KFUSE_WGRAD_BRANCH"); v && *v) {
       const std::string branch = v;
-      KFUSE_CHECK(branch.size() == 1 && branch[0] >= '0' && branch[0] <= '3', InvalidArgument,
-                  "KFUSE_WGRAD_BRANCH must be 0, 1, 2 or 3, got '", branch, "'");
-      t.branch_level = branch[0] - '0';
-      t.wgrad_branch = t.branch_level > 0;
-    }
-    if (const char* v = std::getenv("KFUSE_BRANCH_PRIORITY"); v && *v && std::string(v) == "1") {
-      int least = 0, greatest = 0;
-      check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-      m.train_graphs.set_capture_priority(greatest);
+      KFUSE_CHECK(branch == "0" || branch == "1", InvalidArgument,
+                  "KFUSE_WGRAD_BRANCH must be 0 (everything on the main stream) or 1 (the weight gradients on a side "
+                  "branch), got '", branch, "'");
+      t.wgrad_branch = branch == "1";
     }
     int64_t off = 0;
     const auto specs = m.config.parameter_specs();
@@ -682,7 +675,7 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       check_cuda(kernels::launch_se_backward_data(se[ii], m.dtype, se_ws, stream), "squeeze-excite backward" + where);
       fork_wgrad(2 * ii);
       // The squeeze-excite's parameter gradients and scalar sums: nothing else reads them either.
-      check_cuda(kernels::launch_se_backward_params(se[ii], m.dtype, se_ws, t.branch_level >= 3 ? wstream : stream),
+      check_cuda(kernels::launch_se_backward_params(se[ii], m.dtype, se_ws, wstream),
                  "squeeze-excite parameter gradients" + where);
       check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], wws, wsb, wstream),
                  "conv2 weight gradient (" + c.wgrad2.name() + ")" + where);
@@ -695,10 +688,9 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], wws, wsb,
                            wstream),
                  "conv1 weight gradient (" + c.wgrad1.name() + ")" + where);
-      if (t.branch_level != 1)
-        check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs + job_first[ii], job_first[ii + 1] - job_first[ii],
-                                                 m.dtype, wws, wstream),
-                   "gradient finalize" + where);
+      check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs + job_first[ii], job_first[ii + 1] - job_first[ii],
+                                               m.dtype, wws, wstream),
+                 "gradient finalize" + where);
       // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one data gradient over the concatenated filters.
       check_cuda(run_dgrad(c.dgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], wp(W.conv1), wflip(W.conv1_flip),
                            tb.dx[ii], ws, wsb, stream),
@@ -715,9 +707,6 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       check_cuda(cudaEventRecord(t.wgrad_join, m.side), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(stream, t.wgrad_join, 0), "cudaStreamWaitEvent");
     }
-    if (t.branch_level == 1)
-      check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs, int(jobs.size()), m.dtype, ws, stream),
-                 "gradient finalize");
   }, m.use_graphs);
 }
 

@@ -35,7 +35,7 @@ void LaunchGraphCache::run(const Key& key, cudaStream_t stream, const Launch& la
   }
   if (!it->second.exec) {
     cudaGraphExec_t exec = nullptr;
-    if (const std::string why = capture_graph(launch, &exec, nullptr, priority_); !why.empty()) {
+    if (const std::string why = capture_graph(launch, &exec); !why.empty()) {
       // Not retried: the same sequence would fail the same way on every call. Runs eagerly instead.
       std::fprintf(stderr, "[kfuse] warning: a launch sequence could not be captured as a CUDA graph (%s); it runs "
                            "without one\n", why.c_str());
@@ -54,13 +54,11 @@ void LaunchGraphCache::run(const Key& key, cudaStream_t stream, const Launch& la
 }
 
 std::string capture_graph(const std::function<void(cudaStream_t)>& launch, cudaGraphExec_t* exec,
-                          cudaGraph_t* keep, int priority) {
+                          cudaGraph_t* keep) {
   *exec = nullptr;
   if (keep) *keep = nullptr;
   cudaStream_t cs = nullptr;
-  check_cuda(priority ? cudaStreamCreateWithPriority(&cs, cudaStreamNonBlocking, priority)
-                      : cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking),
-             "cudaStreamCreate (capture)");
+  check_cuda(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "cudaStreamCreate (capture)");
   cudaGraph_t graph = nullptr;
   if (cudaError_t err = cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal); err != cudaSuccess) {
     cudaStreamDestroy(cs);

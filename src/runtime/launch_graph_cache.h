@@ -24,10 +24,8 @@ namespace kfuse {
 // into *exec. With `keep`, the captured graph is handed to the caller as well (who destroys it: a graph whose nodes'
 // parameters are patched later); else it is destroyed. Returns why not (empty on success; then *exec is set); a
 // failure leaves no CUDA error behind and nothing to free.
-// `priority` is the capture stream's (cudaStreamCreateWithPriority; 0 = the default), which the captured kernels
-// keep: a graph whose side branches run on a default-priority stream is scheduled ahead of them.
 std::string capture_graph(const std::function<void(cudaStream_t)>& launch, cudaGraphExec_t* exec,
-                          cudaGraph_t* keep = nullptr, int priority = 0);
+                          cudaGraph_t* keep = nullptr);
 
 class LaunchGraphCache {
  public:
@@ -45,8 +43,6 @@ class LaunchGraphCache {
   void run(const Key& key, cudaStream_t stream, const Launch& launch, bool enabled = true);
   void clear();
   size_t graph_count() const;
-  // The stream priority of later captures (capture_graph).
-  void set_capture_priority(int priority) { priority_ = priority; }
 
  private:
   struct Entry {
@@ -59,7 +55,6 @@ class LaunchGraphCache {
   std::map<Key, Entry> entries_;
   size_t capacity_;
   uint64_t clock_ = 0;
-  int priority_ = 0;
 };
 
 }  // namespace kfuse
