@@ -18,33 +18,20 @@ namespace {
 template <class T>
 struct EpilogueScalars {
   float alpha, pre, post;
-  uint32_t post_bits;
   bool relu;
   __device__ EpilogueScalars(const float* alpha_p, const float* pre_p, const float* post_p, bool relu_)
-      : alpha(alpha_p ? *alpha_p : 1.0f),
-        pre(pre_p ? *pre_p : 0.0f),
-        post(post_p ? *post_p : 0.0f),
-        post_bits(t_bits<T>(to_t<T>(post_p ? *post_p : 0.0f))),
-        relu(relu_) {}
+      : alpha(alpha_p ? *alpha_p : 1.0f), pre(pre_p ? *pre_p : 0.0f), post(post_p ? *post_p : 0.0f), relu(relu_) {}
 
   // post + act(alpha * acc + pre) for 8 values, packed as 8 T; an active ReLU never stores T(post)
-  // (fixup_epilogue.h).
+  // (fixup_epilogue.h; numeric.cuh pack8_after_relu).
   __device__ uint4 finish(const float (&acc)[8]) const {
-    uint32_t w[4];
+    float v[8];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t out = 0;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        float v = alpha * acc[2 * j + k] + pre;
-        if (relu && v < 0.0f) v = 0.0f;  // NaN passes, as torch.relu
-        uint32_t b = t_bits<T>(to_t<T>(post + v));
-        if (post != 0.0f && v > 0.0f && b == post_bits) b = next_up_bits(b);
-        out |= b << (16 * k);
-      }
-      w[j] = out;
+    for (int j = 0; j < 8; ++j) {
+      v[j] = alpha * acc[j] + pre;
+      if (relu && v[j] < 0.0f) v[j] = 0.0f;  // NaN passes, as torch.relu
     }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    return pack8_after_relu<T>(v, post);
   }
 };
 

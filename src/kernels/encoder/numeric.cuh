@@ -80,7 +80,7 @@ __device__ __forceinline__ uint32_t next_up_bits(uint32_t bits) {
   return (bits & 0x8000u) ? bits - 1 : bits + 1;
 }
 
-// T(post + v) of 8 values v after a ReLU (v >= 0, or NaN), where a positive v never stores T(post): the next value
+// T(post + v) of 8 values v (after a ReLU where there is one), where a positive v never stores T(post): the next value
 // above it instead (faithful rounding, within one ulp). Then v > 0 <=> stored > T(post), exactly, and a backward reads
 // the ReLU's decision from the stored sum alone (fixup_epilogue.h does the same for conv1's h2 = relu(.) + b2a; the
 // squeeze-excite for the next block's a = relu(.) + b1a). post == 0 stores T(v): the decision is then T(v) > 0.

@@ -834,19 +834,30 @@ MainParams main_params(const SeBackwardArgs& a, const Plan& pl, const WsLayout& 
   return mp;
 }
 
-cudaError_t current_device(int* dev) { return cudaGetDevice(dev); }
+// What both phases derive from the arguments: the device, the main kernel's plan and parameters, the workspace
+// layout. Returns cudaErrorInvalidValue for arguments launch_se_backward rejects.
+struct Setup {
+  int dev = 0;
+  Plan pl;
+  WsLayout wl;
+  MainParams mp;
+};
+cudaError_t setup(const SeBackwardArgs& a, ConvDType dtype, void* workspace, Setup* s) {
+  if (!valid_args(a, dtype) || !workspace || !aligned(workspace, 16)) return cudaErrorInvalidValue;
+  if (const cudaError_t err = cudaGetDevice(&s->dev); err != cudaSuccess) return err;
+  s->pl = choose_plan(a, sm_count(s->dev));
+  s->wl = ws_layout(a.n, a.p, a.hidden);
+  s->mp = main_params(a, s->pl, s->wl, static_cast<unsigned char*>(workspace));
+  return cudaSuccess;
+}
 
 }  // namespace
 
 cudaError_t launch_se_backward_data(const SeBackwardArgs& a, ConvDType dtype, void* workspace, cudaStream_t stream) {
-  if (!valid_args(a, dtype) || !workspace || !aligned(workspace, 16)) return cudaErrorInvalidValue;
-  int dev = 0;
-  cudaError_t err = current_device(&dev);
+  Setup su;
+  cudaError_t err = setup(a, dtype, workspace, &su);
   if (err != cudaSuccess) return err;
-  const Plan pl = choose_plan(a, sm_count(dev));
-  const WsLayout wl = ws_layout(a.n, a.p, a.hidden);
-  unsigned char* ws = static_cast<unsigned char*>(workspace);
-  const MainParams mp = main_params(a, pl, wl, ws);
+  const MainParams& mp = su.mp;
 
   // 1. the weight transposes
   {
@@ -856,24 +867,21 @@ cudaError_t launch_se_backward_data(const SeBackwardArgs& a, ConvDType dtype, vo
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   // 2. the per-image pass
-  return dtype == ConvDType::kF16 ? launch_main_typed<__half>(mp, pl, dev, stream)
-                                  : launch_main_typed<__nv_bfloat16>(mp, pl, dev, stream);
+  return dtype == ConvDType::kF16 ? launch_main_typed<__half>(mp, su.pl, su.dev, stream)
+                                  : launch_main_typed<__nv_bfloat16>(mp, su.pl, su.dev, stream);
 }
 
 cudaError_t launch_se_backward_params(const SeBackwardArgs& a, ConvDType dtype, void* workspace,
                                       cudaStream_t stream) {
-  if (!valid_args(a, dtype) || !workspace || !aligned(workspace, 16)) return cudaErrorInvalidValue;
-  int dev = 0;
-  cudaError_t err = current_device(&dev);
+  Setup su;
+  cudaError_t err = setup(a, dtype, workspace, &su);
   if (err != cudaSuccess) return err;
-  const Plan pl = choose_plan(a, sm_count(dev));
-  const WsLayout wl = ws_layout(a.n, a.p, a.hidden);
-  unsigned char* ws = static_cast<unsigned char*>(workspace);
-  const MainParams mp = main_params(a, pl, wl, ws);
+  const MainParams& mp = su.mp;
+  const WsLayout& wl = su.wl;
   // 3. parameter-gradient partials over chunks of images
   ParamParams pp{};
   pp.m = mp.ws_m, pp.dz2 = mp.ws_dz2, pp.r = mp.ws_r, pp.dz1 = mp.ws_dz1;
-  pp.part = reinterpret_cast<float*>(ws + wl.part);
+  pp.part = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + wl.part);
   pp.n = a.n, pp.p = a.p, pp.hidden = a.hidden, pp.chunk = wl.chunk;
   {
     const dim3 grid((a.p + kParamThreads - 1) / kParamThreads, (a.hidden + kParamJ - 1) / kParamJ, wl.q);
@@ -885,7 +893,7 @@ cudaError_t launch_se_backward_params(const SeBackwardArgs& a, ConvDType dtype, 
   fp.part = pp.part, fp.scal = mp.ws_scal;
   fp.dw1 = a.dw1, fp.db1 = a.db1, fp.dw2 = a.dw2, fp.db2 = a.db2;
   fp.sum_d_o = a.sum_d_o, fp.sum_dz = a.sum_dz, fp.sum_dy = a.sum_dy;
-  fp.p = a.p, fp.hidden = a.hidden, fp.q = wl.q, fp.ctas = (a.n + pl.g - 1) / pl.g;
+  fp.p = a.p, fp.hidden = a.hidden, fp.q = wl.q, fp.ctas = (a.n + su.pl.g - 1) / su.pl.g;
   {
     const size_t slab = 2 * size_t(a.hidden) * a.p + a.hidden + a.p;
     const int grid = int(std::min<size_t>((slab + kFinalThreads - 1) / kFinalThreads, 1024));
