@@ -55,3 +55,35 @@ def make_reference():
         return randomize(reference.ResNetEncoder(in_channels, base_planes, layers), seed + 1).to(dtype)
 
     return make
+
+
+def _block_with_scalar_terms(b: torch.nn.Module, x: torch.Tensor, leaves: dict, prefix: str) -> torch.Tensor:
+    """reference.SEFixupBasicBlock.forward with each FixUp scalar broadcast to a full tensor (a leaf of its own), so
+    that the gradient of that leaf holds the terms whose sum is the scalar's gradient."""
+    def full(name, like):
+        t = getattr(b, name).detach().expand_as(like).clone().requires_grad_(True)
+        leaves[prefix + name] = t
+        return t
+
+    a = x + full("fixup_bias1a", x)
+    c1 = b.conv1(a)
+    h = torch.relu(c1 + full("fixup_bias1b", c1))
+    c2 = b.conv2(h + full("fixup_bias2a", h))
+    o = c2 * full("fixup_scale", c2) + full("fixup_bias2b", c2)
+    identity = x if b.downsample is None else b.downsample(a)
+    return torch.relu(o * b.se(o) + identity)
+
+
+def scalar_gradient_conditioning(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """{name: ||t|| / |sum t|} for each FixUp scalar, t the terms of its gradient's sum (run it in float64).
+
+    A sum whose terms each carry an independent relative error d is off by about d * ||t|| / |sum t| relative to the
+    sum: the factor measures how much a problem amplifies storage rounding into that scalar's gradient."""
+    leaves = {}
+    h = model.stem(x)
+    for i, stage in enumerate(model.layers):
+        for j, b in enumerate(stage):
+            h = _block_with_scalar_terms(b, h, leaves, f"layers.{i}.{j}.")
+    names = list(leaves)
+    terms = torch.autograd.grad(h, [leaves[k] for k in names], dy)
+    return {k: (t.norm() / t.sum().abs()).item() for k, t in zip(names, terms)}
