@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import final_pre_activation, rel_err
 
 import kfuse
 
@@ -14,18 +14,25 @@ pytestmark = pytest.mark.skipif(not kfuse.cuda_available(), reason="needs a CUDA
 
 TOL = 2e-2  # gradients: fp16 / bf16 activations and activation gradients, fp32 accumulation and parameter sums
 # Per parameter, the bound is TOL or, where the problem itself amplifies storage rounding beyond it, TORCH_FACTOR
-# times the error of PyTorch's own mixed precision (the module in fp16 / bf16, cuDNN) on the same problem. The random
-# networks of these tests (conftest.randomize: FixUp biases within half a standard deviation of the activations,
-# so many ReLUs sit near their threshold) amplify rounding a lot: PyTorch's fp16 misses 2e-2 on conv weights at
-# N = 256 and is off by up to 10% on FixUp scalars, whose gradients are sums with heavy cancellation
-# (scripts/grad_calibration.py prints the table; it uses a zero-mean dL/dy, see loss_gradient). The whole
-# gradient (all parameters as one vector) is held to the same rule.
+# times the error of PyTorch's own mixed precision (the module in fp16 / bf16) on the same problem: the largest of
+# three realizations (cuDNN NCHW, cuDNN channels_last, PyTorch's native convolutions), which round differently. The
+# random networks of these tests (conftest.randomize: FixUp biases within half a standard deviation of the
+# activations, so many ReLUs sit near their threshold) amplify rounding a lot: a ReLU decided differently by a
+# rounding changes a gradient by a whole term, and at N = 1 one or two such flips decide the error, a lottery that
+# one realization of PyTorch's rounding does not bound (measured: kfuse and PyTorch, each held to the float64 oracle
+# with its own decisions at the output's ReLU, are equally close; scripts/grad_calibration.py prints the table). The
+# whole gradient (all parameters as one vector) is held to the same rule.
 TORCH_FACTOR = 3.0
 # A FixUp scalar's gradient is one sum over a whole tensor with heavy cancellation: its error is a random walk of the
 # rounding errors of millions of terms, and kfuse and PyTorch round different intermediates, so their two errors
 # differ by a random factor (measured up to ~5x either way). These get a wider factor; test_sgd_... checks their
-# effect on training.
+# effect on training. (conftest.scalar_gradient_conditioning measures the cancellation: ||terms|| / |sum| reaches 53
+# for block 1's scale at C = 3, N = 1.)
 TORCH_FACTOR_SCALAR = 10.0
+# The float64 comparisons zero dL/dy at outputs whose pre-activation is within KINK_BAND * rms of the last ReLU's
+# threshold: within reach of the forward's rounding in bf16 (normwise ~4e-3, elementwise tails ~4x that), where the
+# ReLU's decision, and with it that output's whole contribution to every gradient, is a matter of rounding.
+KINK_BAND = 0.02
 
 
 def reference_grads(ref: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, dtype=torch.float64,
@@ -55,29 +62,57 @@ def kfuse_grads(enc: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, input_g
     return y.detach(), dict(zip(names, grads)), (grads[-1] if input_grad else None)
 
 
-def assert_grads_close(got: dict, want: dict, torch_mixed: dict | None = None, tol: float = TOL):
-    """got and torch_mixed (PyTorch's own fp16 / bf16 gradients of the same problem) against the oracle `want`."""
+def assert_grads_close(got: dict, want: dict, torch_mixed: dict | list[dict] | None = None, tol: float = TOL):
+    """got and torch_mixed (PyTorch's own fp16 / bf16 gradients of the same problem, one or several realizations)
+    against the oracle `want`."""
+    mixed = [torch_mixed] if isinstance(torch_mixed, dict) else list(torch_mixed or [])
     errs = {name: rel_err(got[name], want[name]) for name in want}
+
     def factor(name):
         return TORCH_FACTOR_SCALAR if want[name].numel() == 1 else TORCH_FACTOR
 
-    bounds = {name: max(tol, factor(name) * rel_err(torch_mixed[name], want[name]) if torch_mixed else 0.0)
-              for name in want}
+    def torch_err(name):
+        return max((rel_err(m[name], want[name]) for m in mixed), default=0.0)
+
+    bounds = {name: max(tol, factor(name) * torch_err(name)) for name in want}
     bad = {k: f"{v:.2e} (bound {bounds[k]:.1e})" for k, v in errs.items() if not v <= bounds[k]}  # NaN fails
     assert not bad, f"gradients off: {bad}"
+
     def flat(d):
         return torch.cat([d[n].detach().double().flatten().cpu() for n in want])
 
     whole = rel_err(flat(got), flat(want))
-    whole_bound = max(tol, TORCH_FACTOR * rel_err(flat(torch_mixed), flat(want)) if torch_mixed else 0.0)
+    whole_bound = max(tol, TORCH_FACTOR * max((rel_err(flat(m), flat(want)) for m in mixed), default=0.0))
     assert whole <= whole_bound, f"the whole gradient is off by {whole:.2e} (bound {whole_bound:.1e})"
     for name, g in got.items():
         assert g.shape == want[name].shape, name
 
 
-def torch_mixed_grads(ref: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype) -> dict:
-    """PyTorch's own gradients with the module and input in fp16 / bf16 (cuDNN, fp32 accumulation)."""
-    return reference_grads(ref, x, dy, dtype=dtype)[1]
+def torch_mixed_grads(ref: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype,
+                      realizations: int = 1) -> list[dict]:
+    """PyTorch's own gradients with the module and input in fp16 / bf16 (fp32 accumulation): cuDNN NCHW, then (for
+    realizations > 1) cuDNN channels_last and PyTorch's native convolutions (cuDNN off)."""
+    out = [reference_grads(ref, x, dy, dtype=dtype)[1]]
+    if realizations > 1:
+        r = copy.deepcopy(ref).to("cuda", dtype).to(memory_format=torch.channels_last)
+        names, params = zip(*r.named_parameters())
+        y = r(x.to("cuda", dtype).contiguous(memory_format=torch.channels_last))
+        out.append(dict(zip(names, torch.autograd.grad(y, list(params), dy.to("cuda", dtype)))))
+    if realizations > 2:
+        enabled = torch.backends.cudnn.enabled
+        torch.backends.cudnn.enabled = False
+        try:
+            out.append(reference_grads(ref, x, dy, dtype=dtype)[1])
+        finally:
+            torch.backends.cudnn.enabled = enabled
+    return out
+
+
+def away_from_kinks(ref: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, band: float = KINK_BAND) -> torch.Tensor:
+    """dy with zeros where the float64 reference's output is within band * rms of its last ReLU's threshold."""
+    with torch.no_grad():
+        z = final_pre_activation(copy.deepcopy(ref).to("cuda", torch.float64), x.to("cuda", torch.float64)).cpu()
+    return dy * (z.abs() >= band * z.pow(2).mean().sqrt()).to(dy.dtype)
 
 
 @pytest.mark.parametrize("precision", [torch.float16, torch.bfloat16])
@@ -92,13 +127,13 @@ def test_gradients_match_float64_reference(make_reference, c, n, precision):
     enc = kfuse.ResNetEncoder.from_torch(ref).cuda().train()
     gen = torch.Generator().manual_seed(seed)
     x = torch.rand(n, c, 64, 64, generator=gen)
-    dy = loss_gradient(n, gen)
+    dy = away_from_kinks(ref, x, loss_gradient(n, gen))
     y_ref, g_ref, _ = reference_grads(ref, x, dy)
     y, g, _ = kfuse_grads(enc, x.cuda().to(ref.stem[1].weight.dtype), dy.cuda())
     assert rel_err(y, y_ref) <= 1e-2
     for name, p in enc.named_parameters():
         assert g[name].dtype == p.dtype, name
-    assert_grads_close(g, g_ref, torch_mixed_grads(ref, x, dy, precision))
+    assert_grads_close(g, g_ref, torch_mixed_grads(ref, x, dy, precision, realizations=3))
 
 
 def test_gradients_at_training_batch(make_reference):
