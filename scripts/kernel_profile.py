@@ -4,9 +4,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def kernel_times(step, warmup: int = 5, steps: int = 10):
+def kernel_times(step, warmup: int = 5, steps: int = 10, intervals: list | None = None):
     """Runs `step` warmup times, then `steps` times under the profiler. Returns (kernel microseconds per step,
-    [(kernel name, microseconds per step, launches per step)], slowest first)."""
+    [(kernel name, microseconds per step, launches per step)], slowest first). `intervals`, if given, receives
+    (start us, end us, name) of every GPU activity."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -20,6 +21,29 @@ def kernel_times(step, warmup: int = 5, steps: int = 10):
             r = rows.setdefault(e.name, [0.0, 0])
             r[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             r[1] += 1
+            if intervals is not None:
+                intervals.append((e.time_range.start, e.time_range.end, e.name))
     total = sum(v[0] for v in rows.values()) / steps
     ranked = sorted(((name, us / steps, cnt // steps) for name, (us, cnt) in rows.items()), key=lambda r: -r[1])
     return total, ranked
+
+
+def idle_gaps(intervals: list, steps: int, min_us: float = 3.0):
+    """Where the GPU had nothing to run: (busy microseconds per step, [(gap us per step, count per step, kernel
+    before, kernel after)] largest first), from the union of the activity intervals."""
+    iv = sorted(intervals)
+    busy, gaps = 0.0, {}
+    cur_s, cur_e, cur_name = iv[0][0], iv[0][1], iv[0][2]
+    for s_, e_, name in iv[1:]:
+        if s_ > cur_e:
+            busy += cur_e - cur_s
+            if s_ - cur_e >= min_us:
+                g = gaps.setdefault((cur_name[:60], name[:60]), [0.0, 0])
+                g[0] += s_ - cur_e
+                g[1] += 1
+            cur_s, cur_e, cur_name = s_, e_, name
+        elif e_ > cur_e:
+            cur_e, cur_name = e_, name
+    busy += cur_e - cur_s
+    ranked = sorted(((us / steps, cnt / steps, a, b) for (a, b), (us, cnt) in gaps.items()), key=lambda r: -r[0])
+    return busy / steps, ranked

@@ -1,17 +1,23 @@
 """Per-kernel GPU time of kfuse's training step (forward + backward) at batch N (default 2048), C = 3, fp16, from
-torch.profiler's CUDA activity: what PERF.md's training breakdown is made of. Usage: python scripts/profile_train.py [N]"""
+torch.profiler's CUDA activity: what PERF.md's training breakdown is made of; the GPU's idle gaps; the host phases of
+a synchronized step. Usage: python scripts/profile_train.py [N] [--host] (--host: also the Python profile of the
+forward and backward calls, the host work the latency pays before the GPU starts)."""
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
 
 import torch
-from kernel_profile import kernel_times
+from kernel_profile import idle_gaps, kernel_times
 
 import kfuse
 
 
 def main():
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    n = int(args[0]) if args else 2048
     enc = kfuse.ResNetEncoder.default_network(3).cuda().half().train()
     x = torch.rand(n, 3, 64, 64, device="cuda", dtype=torch.float16)
     dy = torch.randn(n, 512, 2, 2, device="cuda", dtype=torch.float16)
@@ -20,7 +26,9 @@ def main():
     def step():
         return torch.autograd.grad(enc(x), params, dy)
 
-    total, rows = kernel_times(step)
+    intervals = []
+    total, rows = kernel_times(step, intervals=intervals)
+    busy, gaps = idle_gaps(intervals, 10)
     # Wall time per step, back to back: below the kernel-time sum where branches of the step's graphs overlap.
     steps = 30
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -31,6 +39,9 @@ def main():
     end.synchronize()
     print(f"kfuse training step N={n}: {total / 1e3:.3f} ms of kernel time per step, "
           f"{start.elapsed_time(end) / steps:.3f} ms per step back to back")
+    print(f"GPU busy {busy / 1e3:.3f} ms per step (union of kernel intervals, profiled back to back); idle gaps:")
+    for us, cnt, a, b in gaps[:8]:
+        print(f"  {us:7.1f} us  x{cnt:<4.1f} after {a}  before {b}")
     # Host time of one synchronized step: where the latency exceeds the back-to-back time.
     phases = []
     for _ in range(200):
@@ -45,6 +56,25 @@ def main():
     med = [statistics.median(p[i] for p in phases) * 1e3 for i in range(4)]
     print(f"synchronized step (median of 200): {med[3]:.3f} ms = forward call {med[0]:.3f} + backward call "
           f"{med[1]:.3f} + wait {med[2]:.3f} (host ms)")
+    if "--host" in sys.argv:
+        for label, call in (("forward", lambda: enc(x)), ("backward", None)):
+            prof = cProfile.Profile()
+            for _ in range(100):
+                torch.cuda.synchronize()
+                if call is None:
+                    y = enc(x)
+                    prof.enable()
+                    torch.autograd.grad(y, params, dy)
+                    prof.disable()
+                else:
+                    prof.enable()
+                    call()
+                    prof.disable()
+            torch.cuda.synchronize()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+            print(f"--- host profile of 100 {label} calls (tottime, cProfile's overhead included) ---")
+            print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))
     for name, us, cnt in rows[:60]:
         # CUTLASS 2.x conv kernels differ only deep in their mangled names: keep the tile shapes and operator.
         short = name if "cutlass" not in name else " ".join(

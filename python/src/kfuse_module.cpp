@@ -346,6 +346,16 @@ NB_MODULE(_C, m) {
              return e.forward_train(xv, yv, reinterpret_cast<cudaStream_t>(stream));
            },
            "x"_a, "y"_a, "stream"_a, "The training forward; returns the id of the state kept for backward")
+      .def("run_train",
+           [](EncoderGpu& e, const CallSpec& spec, uintptr_t x, uintptr_t y, uintptr_t stream) {
+             DeviceTensorView xv = spec.x, yv = spec.y;
+             xv.data = reinterpret_cast<void*>(x);
+             yv.data = reinterpret_cast<void*>(y);
+             nb::gil_scoped_release release;
+             return e.forward_train(xv, yv, reinterpret_cast<cudaStream_t>(stream));
+           },
+           "spec"_a, "x_ptr"_a, "y_ptr"_a, "stream"_a,
+           "forward_train() on the data pointers of tensors like the ones `spec` was prepared with")
       .def("stash_valid", &EncoderGpu::stash_valid, "stash"_a)
       .def("backward",
            [](EncoderGpu& e, uint64_t stash, const Array& x, const Array& dy, const Array& grads,
