@@ -101,13 +101,8 @@ struct MlpVariant {
   // 64-row chains, one chain's activation math overlapping the other's MMAs. Needs resident weights and warps a
   // multiple of 4. The backward is the same as without it.
   bool wgmma = false;
-  // The forward kernels' minimum resident CTAs per SM (__launch_bounds__' second argument; 0: none): caps the
-  // registers per thread so that that many CTAs fit, trading registers for warps that hide the layer chain's
-  // latency. The backward kernels keep their own bounds.
-  int min_ctas = 0;
 
-  std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64", "mt2_w8_resident_fw", "mt1_w8_resident_wg",
-                              // "mt1_w8_resident_wg_o3" (min_ctas 3)
+  std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64", "mt2_w8_resident_fw", "mt1_w8_resident_wg"
   int rows_per_cta() const { return 16 * m_tiles * warps; }
   bool operator==(const MlpVariant&) const = default;
 };

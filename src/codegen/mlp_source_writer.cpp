@@ -150,12 +150,11 @@ void write_pack_kernel(std::ostringstream& os, const MlpSpec& s, const MlpLayout
   os << "}\n\n";
 }
 
-void write_forward_kernels(std::ostringstream& os, const MlpVariant& v) {
-  const std::string bounds = v.min_ctas > 0 ? cat("__launch_bounds__(THREADS, ", v.min_ctas, ")")
-                                            : std::string("__launch_bounds__(THREADS)");
-  os << "extern \"C\" __global__ void " << bounds << " kfuse_mlp_forward(FwdParams p) { forward_body<false>(p); }\n"
-     << "extern \"C\" __global__ void " << bounds
-     << " kfuse_mlp_forward_train(FwdParams p) { forward_body<true>(p); }\n\n";
+void write_forward_kernels(std::ostringstream& os) {
+  os << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward(FwdParams p) { "
+        "forward_body<false>(p); }\n"
+     << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward_train(FwdParams p) { "
+        "forward_body<true>(p); }\n\n";
 }
 
 const char* const kFwdParams =
@@ -166,7 +165,7 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   if (v.wgmma) {
     os << kFwdParams;
     write_wgmma_forward_body(os, s, v, m);
-    write_forward_kernels(os, v);
+    write_forward_kernels(os);
     return;
   }
   const int L = s.num_layers();
@@ -213,7 +212,7 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   }
   w.epilogue();
   os << "}\n";
-  write_forward_kernels(os, v);
+  write_forward_kernels(os);
 }
 
 // The fused weight gradients (MlpVariant::fused_wgrad, codegen/mlp_wgrad_plan.h): what the backward kernel adds

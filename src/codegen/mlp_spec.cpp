@@ -82,8 +82,6 @@ void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
                 " accumulators per thread, more than the ", codegen::kMaxWgradAccumulatorFloats,
                 " that fit; use fused_wgrad = false or more warps");
   }
-  KFUSE_CHECK(v.min_ctas >= 0 && v.min_ctas * v.warps <= 64, InvalidArgument, "variant ", v.name(),
-              ": min_ctas must be in [0, 64 / warps] (64 warps per SM), got ", v.min_ctas);
   if (v.wgmma) {
     KFUSE_CHECK(v.weights_resident, InvalidArgument, "variant ", v.name(), ": the wgmma forward needs resident weights");
     KFUSE_CHECK(v.warps % 4 == 0, InvalidArgument, "variant ", v.name(),
@@ -95,7 +93,6 @@ std::string MlpVariant::name() const {
   std::ostringstream os;
   os << "mt" << m_tiles << "_w" << warps << (weights_resident ? "_resident" : "_stream" + std::to_string(k_chunk))
      << (fused_wgrad ? "_fw" : "") << (wgmma ? "_wg" : "");
-  if (min_ctas > 0) os << "_o" << min_ctas;
   return os.str();
 }
 
@@ -205,15 +202,6 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
           out.push_back(v);
         }
       }
-    // One row tile per warp at width <= 64 takes ~90 registers, which fits 2 CTAs of 8 warps per SM; capped at
-    // 85, 3 fit: 24 warps instead of 16 to hide the layer chain's latency (the wgmma forward's limit at this width,
-    // PERF.md session 9). (6 CTAs of 4 warps would need 6 copies of the weights: more shared memory than an SM has.)
-    if (max_width(spec) <= 64) {
-      MlpVariant v{1, 8, true, 64};
-      v.wgmma = true;
-      v.min_ctas = 3;
-      if (fits(spec, v, smem_optin / v.min_ctas)) out.push_back(v);  // that many CTAs' shared memory per SM
-    }
   }
   return out;
 }

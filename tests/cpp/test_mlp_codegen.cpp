@@ -151,29 +151,6 @@ TEST(MlpVariants, NamesAreStable) {
   EXPECT_NE((MlpVariant{1, 8, true, 64, true}), (MlpVariant{1, 8, true, 64, false}));
   EXPECT_EQ((MlpVariant{2, 8, true, 64, false, true}).name(), "mt2_w8_resident_wg");
   EXPECT_EQ((MlpVariant{1, 8, true, 64, true, true}).name(), "mt1_w8_resident_fw_wg");
-  EXPECT_EQ((MlpVariant{1, 8, true, 64, false, true, 3}).name(), "mt1_w8_resident_wg_o3");
-}
-
-TEST(MlpVariants, MinimumCtasBoundTheForwardKernelsOnly) {
-  const MlpSpec s = make_spec(32, {64, 64, 64, 64}, 16);
-  const MlpVariant v{1, 8, true, 64, false, true, 3};
-  const std::string fwd = codegen::generate_mlp_source(s, v, codegen::MlpModulePart::kForward);
-  EXPECT_NE(fwd.find("__launch_bounds__(THREADS, 3) kfuse_mlp_forward("), std::string::npos);
-  EXPECT_NE(fwd.find("__launch_bounds__(THREADS, 3) kfuse_mlp_forward_train("), std::string::npos);
-  const std::string bwd = codegen::generate_mlp_source(s, v, codegen::MlpModulePart::kBackward);
-  EXPECT_EQ(bwd.find("__launch_bounds__(THREADS, 3)"), std::string::npos);
-  EXPECT_EQ(codegen::generate_mlp_source(s, {1, 8, true, 64, false, true}, codegen::MlpModulePart::kForward)
-                .find("__launch_bounds__(THREADS, "),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { validate_variant(s, {1, 16, true, 64, false, true, 5}); })
-                .find("min_ctas must be in [0, 64 / warps] (64 warps per SM), got 5"),
-            std::string::npos);
-  // Hopper candidates at width <= 64: 3 CTAs of 8 warps; none past 64.
-  int bounded = 0;
-  for (const MlpVariant& c : mlp_candidate_variants(s, 227 * 1024, true)) bounded += c.min_ctas == 3 && c.warps == 8;
-  EXPECT_EQ(bounded, 1);
-  for (const MlpVariant& c : mlp_candidate_variants(make_spec(32, {128, 128}, 16), 227 * 1024, true))
-    EXPECT_EQ(c.min_ctas, 0) << c.name();
 }
 
 TEST(MlpVariants, WgmmaNeedsResidentWeightsAndWholeWarpgroups) {
@@ -190,7 +167,7 @@ TEST(MlpVariants, WgmmaNeedsResidentWeightsAndWholeWarpgroups) {
     return std::count_if(c.begin(), c.end(), [](const MlpVariant& v) { return v.wgmma && !v.fused_wgrad; });
   };
   EXPECT_EQ(count_wgmma(mlp_candidate_variants(s, 227 * 1024)), 0);
-  EXPECT_EQ(count_wgmma(mlp_candidate_variants(s, 227 * 1024, true)), 6);  // 5 + 1 with min_ctas
+  EXPECT_EQ(count_wgmma(mlp_candidate_variants(s, 227 * 1024, true)), 5);
   EXPECT_EQ(count_wgmma(mlp_candidate_variants(make_spec(32, {256, 256, 256, 256}, 16), 227 * 1024, true)), 0);
   const MlpSpec w128 = make_spec(32, {128, 128, 128, 128}, 16);
   EXPECT_EQ(count_wgmma(mlp_candidate_variants(w128, 227 * 1024, true)), 2) << "one chain per warpgroup past 64";
@@ -380,8 +357,6 @@ std::vector<CompileCase> compile_cases() {
   // widths with bf16, a stashed pre-activation (gelu) and missing biases, beside fused weight gradients.
   cases.push_back({"wgmma_w64_mt2_cubin_sm90a", make_spec(32, {64, 64, 64, 64}, 16), {2, 8, true, 64, false, true},
                    "sm_90a"});
-  cases.push_back({"wgmma_w64_mt1_o3_cubin_sm90a", make_spec(32, {64, 64, 64, 64}, 16),
-                   {1, 8, true, 64, false, true, 3}, "sm_90a"});
   cases.push_back({"wgmma_w128_mt1_sm90a", make_spec(32, {128, 128, 128, 128}, 16), {1, 8, true, 64, false, true},
                    "compute_90a"});
   cases.push_back({"wgmma_mixed_bf16_sm90a", mixed, {2, 4, true, 64, false, true}, "compute_90a"});

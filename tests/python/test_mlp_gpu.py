@@ -146,8 +146,6 @@ def is_hopper():
 WGMMA_CASES = {
     "w64_mt2_w8": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
                        variant=(2, 8, True, 64, False, True)),
-    "w64_mt1_w8_o3": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
-                          variant=(1, 8, True, 64, False, True, 3)),
     "w128_mt1_w8": dict(in_w=32, hidden=[128] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
                         variant=(1, 8, True, 64, False, True)),
     "odd_io_silu_bf16_mt1_w4": dict(in_w=3, hidden=[48, 16, 80], out_w=5, act="silu", dtype=torch.bfloat16,
