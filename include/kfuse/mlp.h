@@ -101,8 +101,15 @@ struct MlpVariant {
   // 64-row chains, one chain's activation math overlapping the other's MMAs. Needs resident weights and warps a
   // multiple of 4. The backward is the same as without it.
   bool wgmma = false;
+  // The first `recompute` hidden layers' outputs are not stashed by the training forward: the backward kernel
+  // recomputes them from x at the start of each row block into shared-memory tiles (with the forward weights of
+  // those layers resident beside the transposed ones), trading ~2 x rows x width x 2 bytes of DRAM traffic per layer
+  // (the stash write and its re-read) for one more GEMM of the layer per row. Needs fused_wgrad with those layers'
+  // successors' weight gradients inside the kernel, and activations whose derivative needs no pre-activation.
+  int recompute = 0;
 
-  std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64", "mt2_w8_resident_fw", "mt1_w8_resident_wg"
+  std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64", "mt2_w8_resident_fw", "mt1_w8_resident_wg",
+                              // "mt1_w8_resident_fw_rc4" (recompute 4)
   int rows_per_cta() const { return 16 * m_tiles * warps; }
   bool operator==(const MlpVariant&) const = default;
 };

@@ -97,19 +97,20 @@ int64_t batch_of(const FusedMlp& mlp, const Array& x) {
 
 FusedMlp::Stream as_stream(uintptr_t s) { return reinterpret_cast<FusedMlp::Stream>(s); }
 
-// (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[, wgmma]]): MlpVariant's fields in order.
+// (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[, wgmma[, recompute]]]): MlpVariant's fields in order.
 MlpVariant variant_from_tuple(const nb::tuple& t) {
-  KFUSE_CHECK(t.size() >= 4 && t.size() <= 6, InvalidArgument,
-              "variant must be (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[, wgmma]]), got ", t.size(),
-              " items");
+  KFUSE_CHECK(t.size() >= 4 && t.size() <= 7, InvalidArgument,
+              "variant must be (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[, wgmma[, recompute]]]), got ",
+              t.size(), " items");
   MlpVariant v{nb::cast<int>(t[0]), nb::cast<int>(t[1]), nb::cast<bool>(t[2]), nb::cast<int>(t[3])};
   if (t.size() >= 5) v.fused_wgrad = nb::cast<bool>(t[4]);
-  if (t.size() == 6) v.wgmma = nb::cast<bool>(t[5]);
+  if (t.size() >= 6) v.wgmma = nb::cast<bool>(t[5]);
+  if (t.size() == 7) v.recompute = nb::cast<int>(t[6]);
   return v;
 }
 
 nb::tuple variant_tuple(const MlpVariant& v) {
-  return nb::make_tuple(v.m_tiles, v.warps, v.weights_resident, v.k_chunk, v.fused_wgrad, v.wgmma);
+  return nb::make_tuple(v.m_tiles, v.warps, v.weights_resident, v.k_chunk, v.fused_wgrad, v.wgmma, v.recompute);
 }
 
 nb::dict build_info_dict(const FusedMlp& mlp) {

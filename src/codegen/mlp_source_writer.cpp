@@ -203,8 +203,9 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
       os << "    if (TRAIN) " << staged(n, acc, cat("p.stash + ", m.stash_z_offset[l], " * p.batch")) << "\n";
     if (!act.is_identity()) os << "    apply_act<" << act_struct(l) << ">(" << acc << ");\n";
     if (l < L - 1) {
-      os << "    if (TRAIN) " << staged(n, acc, cat("p.stash + ", m.stash_h_offset[l], " * p.batch")) << "\n"
-         << "    u32 a" << l + 1 << "[MT][" << n / 16 << "][4];\n"
+      if (l >= v.recompute)  // the backward recomputes the first v.recompute outputs
+        os << "    if (TRAIN) " << staged(n, acc, cat("p.stash + ", m.stash_h_offset[l], " * p.batch")) << "\n";
+      os << "    u32 a" << l + 1 << "[MT][" << n / 16 << "][4];\n"
          << "    to_a(" << acc << ", a" << l + 1 << ");\n";
     } else {  // y directly: narrow rows (16 columns in the bench) gained nothing from staging and lost 8% (PERF.md)
       os << "    store_c<" << s.output_width << ", " << s.output_width << ">(" << acc << ", p.y, row, p.batch, q);\n";
@@ -220,8 +221,8 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
 // both publishes a layer's tiles and frees the ones the layer before last read.
 class WgradWriter {
  public:
-  WgradWriter(std::ostringstream& os, const MlpSpec& s, const MlpLayout& m, const WgradPlan& plan)
-      : os_(os), s_(s), m_(m), plan_(plan) {}
+  WgradWriter(std::ostringstream& os, const MlpSpec& s, const MlpLayout& m, const WgradPlan& plan, int recompute)
+      : os_(os), s_(s), m_(m), plan_(plan), rc_(recompute) {}
 
   // Accumulators, tile addresses and the first row block's input tile of the last layer.
   std::string before_loop() const {
@@ -239,7 +240,11 @@ class WgradWriter {
       << "u;\n"
       << "  const int trow = warp * (16 * MT) + (lane >> 2);  // the lane's first row inside a row block's tiles\n"
       << "  u32 par = 0;\n";
-    if (plan_.layers[L - 1].weight)
+    if (rc_ > 0)  // the recomputed layers' forward weights: the packed buffer's forward region precedes p.w
+      o << "  copy_flat<" << plan_.fwd_weight_bytes << ", THREADS>(smem + " << plan_.fwd_weight_smem_offset
+        << "u, reinterpret_cast<const unsigned char*>(p.w) - " << m_.bwd_region_byte_offset << ");\n"
+        << "  cp_async_commit();\n  cp_async_wait_all();\n  __syncthreads();\n";
+    if (plan_.layers[L - 1].weight && !recomputed_input(L - 1))
       o << "  if (blockIdx.x < p.num_blocks) " << input_tile_copy(L - 1, "h_tiles", "blockIdx.x * ROWS") << "\n";
     o << "  cp_async_commit();\n";
     return o.str();
@@ -255,9 +260,9 @@ class WgradWriter {
         << "    __syncthreads();  // this layer's tiles complete; the other buffers' readers done\n";
     const int L = s_.num_layers();
     if (l > 0) {
-      if (plan_.layers[l - 1].weight)
+      if (plan_.layers[l - 1].weight && !recomputed_input(l - 1))
         os_ << "    " << input_tile_copy(l - 1, h_tile("par ^ 1u"), "blk * ROWS") << "\n";
-    } else if (plan_.layers[L - 1].weight) {
+    } else if (plan_.layers[L - 1].weight && !recomputed_input(L - 1)) {
       os_ << "    if (blk + gridDim.x < p.num_blocks) "
           << input_tile_copy(L - 1, h_tile("par ^ 1u"), "(blk + gridDim.x) * ROWS") << "\n";
     }
@@ -266,7 +271,8 @@ class WgradWriter {
       os_ << "    wgrad_accumulate<" << lp.out_tiles_per_warp << ", " << lp.in_pairs_per_warp << ", " << lp.warps_out
           << ", " << lp.warps_in << ", " << lp.out_tiles << ", " << lp.in_pairs << ", " << plan_.k_steps << ", "
           << out_p + 8 << ", " << in_p + 8 << ", " << (lp.bias ? "true" : "false") << ">(wg" << l << ", wb" << l
-          << ", " << dz_tile("par") << ", " << h_tile("par") << ", warp, lane);\n";
+          << ", " << dz_tile("par") << ", " << (recomputed_input(l) ? rc_tile(l - 1) : h_tile("par"))
+          << ", warp, lane);\n";
     } else if (lp.bias) {
       os_ << "    bias_accumulate<" << lp.out_tiles_per_warp << ", " << lp.warps_out << ", " << lp.warps_in << ", "
           << lp.out_tiles << ", " << plan_.k_steps << ", " << out_p + 8 << ">(wb" << l << ", " << dz_tile("par")
@@ -281,9 +287,42 @@ class WgradWriter {
   // Layer l's activation output h_l for its derivative: the input tile of layer l + 1 (requested one layer ahead;
   // the barrier of layer l + 1 made it complete, and it is not overwritten before the barrier of layer l). Only
   // where layer l + 1's weight gradient is accumulated here (its input tile is loaded).
-  bool has_stored_output(int l) const { return plan_.layers[l + 1].weight; }
+  // A recomputed output is in its own tile (written by this warp for its rows).
+  bool has_stored_output(int l) const { return l < rc_ || plan_.layers[l + 1].weight; }
   std::string stored_output(int l, const std::string& dst) const {
-    return cat("load_c_shared<", s_.layer_out_padded(l) + 8, ">(", dst, ", ", h_tile("par ^ 1u"), ", trow, q);");
+    return cat("load_c_shared<", s_.layer_out_padded(l) + 8, ">(", dst, ", ", l < rc_ ? rc_tile(l) : h_tile("par ^ 1u"),
+               ", trow, q);");
+  }
+
+  // MlpVariant::recompute, at the start of a row block: this warp's rows of h_0 .. h_{rc-1} from x through the
+  // resident forward weights, each into its tile (zero rows beyond the batch, as the stash copies would be). The
+  // tiles are read by other warps only after the next layer barrier, and the last reads of a row block's tiles
+  // (layer 1's weight gradient, layer 0's derivative) come before its last barrier, so one row block's recompute
+  // never overwrites what another warp still reads.
+  void recompute() const {
+    if (rc_ == 0) return;
+    const int64_t bias_delta = m_.bias_byte_offset - m_.bwd_region_byte_offset;
+    os_ << "    {  // recompute the first " << rc_ << " hidden outputs (not stashed)\n"
+        << "      const float* fwd_bias = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(p.w) + "
+        << bias_delta << ");\n";
+    for (int l = 0; l < rc_; ++l) {
+      const int n = s_.layer_out_padded(l), k = s_.layer_in_padded(l);
+      const std::string acc = cat("rz", l);
+      os_ << "      float " << acc << "[MT][" << n / 8 << "][4];\n"
+          << "      init_acc<" << (s_.has_bias(l) ? "true" : "false") << ">(" << acc << ", fwd_bias + "
+          << m_.bias_offset[l] << ", q);\n      {\n        "
+          << (l == 0 ? cat("const InputA<", s_.input_width, "> src{p.x, row, p.batch, q};")
+                     : cat("const RegA<MT, ", k / 16, "> src{ra", l, "};"))
+          << "\n        mma_chunk<MT, " << n / 8 << ", 0, " << k / 16 << ", 0, " << k + 8 << ">(" << acc
+          << ", src, smem + " << plan_.fwd_weight_smem_offset + m_.fwd_weight_offset[l] * 2 << "u, lane);\n      }\n";
+      const Activation& act = s_.layer_activation(l);
+      if (!act.is_identity()) os_ << "      apply_act<" << act_struct(l) << ">(" << acc << ");\n";
+      os_ << "      u32 ra" << l + 1 << "[MT][" << n / 16 << "][4];\n"
+          << "      to_a(" << acc << ", ra" << l + 1 << ");\n"
+          << "      store_a_shared<" << n + 8 << ">(" << rc_tile(l) << ", ra" << l + 1
+          << ", trow, row, p.batch, q);\n";
+    }
+    os_ << "      __syncwarp();  // the lanes read each other's rows of the tiles\n    }\n";
   }
 
   // After the row-block loop: every CTA writes its partial gradient vector.
@@ -319,6 +358,9 @@ class WgradWriter {
   std::string h_tile(const std::string& parity) const {
     return cat("h_tiles + (", parity, ") * ", plan_.h_tile_bytes, "u");
   }
+  std::string rc_tile(int l) const { return cat("smem + ", plan_.rc_tile_offset + l * plan_.rc_tile_bytes, "u"); }
+  // Whether layer l's input is a recomputed output (h_{l-1} with l - 1 < recompute).
+  bool recomputed_input(int l) const { return l >= 1 && l - 1 < rc_; }
   // Layer l's input (x, or the stashed output of layer l - 1) for the rows from `row0` into the tile at `dst`.
   std::string input_tile_copy(int l, const std::string& dst, const std::string& row0) const {
     const int in_p = s_.layer_in_padded(l);
@@ -333,6 +375,7 @@ class WgradWriter {
   const MlpSpec& s_;
   const MlpLayout& m_;
   const WgradPlan& plan_;
+  int rc_ = 0;
 };
 
 void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m, bool dx) {
@@ -342,10 +385,11 @@ void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& 
     gemms.push_back({s.layer_out_padded(l), s.layer_in_padded(l), m.bwd_weight_offset[l]});
   KernelWriter w(os, v, gemms, m.bwd_region_halves * 2);
   const WgradPlan plan = v.fused_wgrad ? mlp_wgrad_plan(s, v) : WgradPlan{};
-  const WgradWriter wg(os, s, m, plan);
+  const WgradWriter wg(os, s, m, plan, v.recompute);
   const std::string name = dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward";
   os << "extern \"C\" __global__ void __launch_bounds__(THREADS) " << name << "(BwdParams p) {\n";
   w.prologue(v.fused_wgrad ? wg.before_loop() : "");
+  wg.recompute();
   const int out_nt = s.layer_out_padded(L - 1) / 8;
   os << "    float g" << L - 1 << "[MT][" << out_nt << "][4];\n"
      << "    load_c<" << s.output_width << ", " << s.output_width << ">(g" << L - 1 << ", p.dy, row, p.batch, q);\n";

@@ -67,6 +67,30 @@ std::string MlpSpec::to_string() const {
   return os.str();
 }
 
+namespace {
+// Why a variant cannot recompute its first v.recompute hidden layers in the backward ("" where it can).
+std::string recompute_problem(const MlpSpec& spec, const MlpVariant& v) {
+  if (v.recompute == 0) return "";
+  if (!v.fused_wgrad) return "recomputed activations need the fused weight gradients (fused_wgrad)";
+  const codegen::WgradPlan plan = codegen::mlp_wgrad_plan(spec, v);
+  std::ostringstream os;
+  for (int l = 0; l < v.recompute; ++l) {
+    const Activation& a = spec.layer_activation(l);
+    if (!a.is_identity() && a.derivative_uses_x()) {
+      os << "layer " << l << "'s activation '" << a.name
+         << "' needs its pre-activation in the backward; it cannot be recomputed";
+      return os.str();
+    }
+    if (!plan.layers[l + 1].weight) {
+      os << "layer " << l + 1 << "'s weight gradient is a cuBLAS GEMM over the stashed input; layer " << l
+         << "'s output cannot be recomputed";
+      return os.str();
+    }
+  }
+  return "";
+}
+}  // namespace
+
 void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
   KFUSE_CHECK(v.m_tiles == 1 || v.m_tiles == 2, InvalidArgument, "MLP variant: m_tiles must be 1 or 2, got ",
               v.m_tiles);
@@ -82,6 +106,10 @@ void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
                 " accumulators per thread, more than the ", codegen::kMaxWgradAccumulatorFloats,
                 " that fit; use fused_wgrad = false or more warps");
   }
+  KFUSE_CHECK(v.recompute >= 0 && v.recompute < spec.num_layers(), InvalidArgument, "variant ", v.name(),
+              ": recompute must be in [0, ", spec.num_layers() - 1, "] (the hidden layers), got ", v.recompute);
+  const std::string rc = recompute_problem(spec, v);
+  KFUSE_CHECK(rc.empty(), InvalidArgument, "variant ", v.name(), ": ", rc);
   if (v.wgmma) {
     KFUSE_CHECK(v.weights_resident, InvalidArgument, "variant ", v.name(), ": the wgmma forward needs resident weights");
     KFUSE_CHECK(v.warps % 4 == 0, InvalidArgument, "variant ", v.name(),
@@ -93,6 +121,7 @@ std::string MlpVariant::name() const {
   std::ostringstream os;
   os << "mt" << m_tiles << "_w" << warps << (weights_resident ? "_resident" : "_stream" + std::to_string(k_chunk))
      << (fused_wgrad ? "_fw" : "") << (wgmma ? "_wg" : "");
+  if (recompute > 0) os << "_rc" << recompute;
   return os.str();
 }
 
@@ -202,6 +231,18 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
           out.push_back(v);
         }
       }
+  }
+  // The training step with recomputed activations: two hidden layers, or all of them.
+  const int hidden = spec.num_layers() - 1;
+  const size_t fused_end = out.size();
+  for (size_t i = 0; i < fused_end; ++i) {
+    if (!out[i].fused_wgrad) continue;
+    for (int r : {2, hidden}) {
+      MlpVariant v = out[i];
+      v.recompute = r;
+      if (r < 1 || r > hidden || std::find(out.begin(), out.end(), v) != out.end()) continue;
+      if (recompute_problem(spec, v).empty() && fits(spec, v, smem_optin)) out.push_back(v);
+    }
   }
   return out;
 }

@@ -156,9 +156,10 @@ void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const Ml
         os << "    u32 a" << l + 1 << "_" << c << "[1][" << n / 16 << "][4];\n"
            << "    to_a(" << acc << ", a" << l + 1 << "_" << c << ");\n";
         issue(l + 1, c);
-        // The stash store overlaps the next layer's MMAs.
-        os << "    if (TRAIN) "
-           << staged(n, acc, "p.stash + " + std::to_string(m.stash_h_offset[l]) + " * p.batch", c) << "\n";
+        // The stash store overlaps the next layer's MMAs (none for outputs the backward recomputes).
+        if (l >= v.recompute)
+          os << "    if (TRAIN) "
+             << staged(n, acc, "p.stash + " + std::to_string(m.stash_h_offset[l]) + " * p.batch", c) << "\n";
       } else {
         os << "    store_c<" << s.output_width << ", " << s.output_width << ">(" << acc << ", p.y, row + " << 16 * c
            << ", p.batch, q);\n";

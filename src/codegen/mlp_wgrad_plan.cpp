@@ -71,18 +71,26 @@ WgradPlan mlp_wgrad_plan(const MlpSpec& s, const MlpVariant& v) {
   }
   // Shared memory: the input tiles are as wide as the widest input of a layer whose weight gradient stays inside;
   // past the budget, that layer's weight gradient goes outside too.
+  const MlpLayout layout = mlp_layout(s);
+  const int rc = std::min(v.recompute, L - 1);
+  int rc_width = 0;
+  for (int l = 0; l < rc; ++l) rc_width = std::max(rc_width, s.layer_out_padded(l));
   for (;;) {
     int max_in = 0, widest = -1;
     for (int l = 0; l < L; ++l)
-      if (p.layers[l].weight && s.layer_in_padded(l) > max_in) {
+      if (p.layers[l].weight && (l == 0 || l > rc) && s.layer_in_padded(l) > max_in) {
         max_in = s.layer_in_padded(l);
         widest = l;
       }
-    p.dz_tile_offset = align16(mlp_layout(s).bwd_region_halves * 2);
+    p.dz_tile_offset = align16(layout.bwd_region_halves * 2);
     p.dz_tile_bytes = int64_t(rows) * (max_out + 8) * 2;
     p.h_tile_offset = p.dz_tile_offset + 2 * p.dz_tile_bytes;
     p.h_tile_bytes = max_in ? int64_t(rows) * (max_in + 8) * 2 : 0;
-    p.smem_bytes = std::max(p.h_tile_offset + 2 * p.h_tile_bytes, scratch * 4);
+    p.rc_tile_offset = p.h_tile_offset + 2 * p.h_tile_bytes;
+    p.rc_tile_bytes = rc ? int64_t(rows) * (rc_width + 8) * 2 : 0;
+    p.fwd_weight_smem_offset = p.rc_tile_offset + rc * p.rc_tile_bytes;
+    p.fwd_weight_bytes = rc ? layout.fwd_weight_offset[rc] * 2 : 0;
+    p.smem_bytes = std::max(p.fwd_weight_smem_offset + p.fwd_weight_bytes, scratch * 4);
     if (p.smem_bytes <= kWgradSmemBudget || widest < 0) break;
     p.accumulator_floats -= p.layers[widest].weight_floats();
     p.layers[widest].weight = false;

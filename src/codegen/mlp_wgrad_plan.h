@@ -54,6 +54,11 @@ struct WgradPlan {
   // so that one barrier per layer suffices), each row padded by 8 halves against ldmatrix bank conflicts.
   int64_t dz_tile_offset = 0, dz_tile_bytes = 0;
   int64_t h_tile_offset = 0, h_tile_bytes = 0;  // input tiles: as wide as the widest input of a `weight` layer
+                                                // that is not recomputed
+  // MlpVariant::recompute: one tile per recomputed layer output (rows x (widest of them + 8) halves, kept for the
+  // row block), then those layers' forward weights (the forward region's first fwd_weight_bytes, as packed).
+  int64_t rc_tile_offset = 0, rc_tile_bytes = 0;
+  int64_t fwd_weight_smem_offset = 0, fwd_weight_bytes = 0;
   int64_t smem_bytes = 0;
   // End of the kernel: the warps_in bias partials of layer l at float offset bias_scratch_offset[l] of shared
   // memory (warps_in x out_padded floats; the weights and tiles are dead by then).

@@ -151,6 +151,48 @@ TEST(MlpVariants, NamesAreStable) {
   EXPECT_NE((MlpVariant{1, 8, true, 64, true}), (MlpVariant{1, 8, true, 64, false}));
   EXPECT_EQ((MlpVariant{2, 8, true, 64, false, true}).name(), "mt2_w8_resident_wg");
   EXPECT_EQ((MlpVariant{1, 8, true, 64, true, true}).name(), "mt1_w8_resident_fw_wg");
+  EXPECT_EQ((MlpVariant{1, 8, true, 64, true, false, 4}).name(), "mt1_w8_resident_fw_rc4");
+}
+
+TEST(MlpVariants, RecomputedActivationsAreNotStashed) {
+  const MlpSpec s = make_spec(32, {64, 64, 64, 64}, 16);
+  const MlpVariant v{1, 8, true, 64, true, false, 2};
+  EXPECT_NO_THROW(validate_variant(s, v));
+  // The training forward stores the stash arrays of hidden outputs 2 and 3 only; the backward reads neither 0 nor 1.
+  const codegen::MlpLayout m = codegen::mlp_layout(s);
+  const std::string src = codegen::generate_mlp_source(s, v);
+  for (int l = 0; l < 4; ++l) {
+    const std::string arr = "p.stash + " + std::to_string(m.stash_h_offset[l]) + " * p.batch";
+    EXPECT_EQ(src.find(arr) != std::string::npos, l >= 2) << "hidden output " << l;
+  }
+  EXPECT_NE(src.find("recompute the first 2 hidden outputs"), std::string::npos);
+  const codegen::WgradPlan plan = codegen::mlp_wgrad_plan(s, v);
+  EXPECT_EQ(plan.fwd_weight_bytes, m.fwd_weight_offset[2] * 2);
+  EXPECT_LE(plan.smem_bytes, codegen::kWgradSmemBudget);
+  // What cannot be recomputed is named.
+  EXPECT_NE(error_of([&] { validate_variant(s, {1, 8, true, 64, false, false, 2}); })
+                .find("recomputed activations need the fused weight gradients"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { validate_variant(s, {1, 8, true, 64, true, false, 5}); })
+                .find("recompute must be in [0, 4] (the hidden layers), got 5"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { validate_variant(make_spec(32, {64, 64}, 16, "gelu"), {1, 8, true, 64, true, false, 1}); })
+                .find("layer 0's activation 'gelu' needs its pre-activation"),
+            std::string::npos);
+  // Width 128 keeps the first layer's weight gradient inside and the others outside: nothing past layer 0 can be
+  // recomputed.
+  const MlpSpec w128 = make_spec(32, {128, 128, 128, 128}, 16);
+  EXPECT_NE(error_of([&] { validate_variant(w128, {1, 8, true, 64, true, false, 1}); })
+                .find("weight gradient is a cuBLAS GEMM over the stashed input"),
+            std::string::npos);
+  // Candidates: recompute 2 and 4 beside the fused variants at width 64.
+  int rc2 = 0, rc4 = 0;
+  for (const MlpVariant& c : mlp_candidate_variants(s, 227 * 1024, true)) {
+    rc2 += c.recompute == 2, rc4 += c.recompute == 4;
+    if (c.recompute) EXPECT_LE(mlp_backward_smem_bytes(s, c), 227u * 1024) << c.name();
+  }
+  EXPECT_GE(rc2, 1);
+  EXPECT_GE(rc4, 1);
 }
 
 TEST(MlpVariants, WgmmaNeedsResidentWeightsAndWholeWarpgroups) {
@@ -357,6 +399,14 @@ std::vector<CompileCase> compile_cases() {
   // widths with bf16, a stashed pre-activation (gelu) and missing biases, beside fused weight gradients.
   cases.push_back({"wgmma_w64_mt2_cubin_sm90a", make_spec(32, {64, 64, 64, 64}, 16), {2, 8, true, 64, false, true},
                    "sm_90a"});
+  // Recomputed activations (MlpVariant::recompute): all four hidden outputs at the bench's width 64 beside the wgmma
+  // forward, and two of an odd, bf16 network with missing biases and a sigmoid output.
+  cases.push_back({"recompute4_w64_wgmma_cubin_sm90a", make_spec(32, {64, 64, 64, 64}, 16),
+                   {1, 8, true, 64, true, true, 4}, "sm_90a"});
+  MlpSpec odd_tanh = make_spec(3, {48, 16, 32}, 5, "tanh", MlpDType::kBFloat16);
+  odd_tanh.bias = {false, true, false, true};
+  odd_tanh.output_activation = builtin_activation("sigmoid");
+  cases.push_back({"recompute2_odd_bf16_sm80", odd_tanh, {1, 8, true, 64, true, false, 2}, "compute_80"});
   cases.push_back({"wgmma_w128_mt1_sm90a", make_spec(32, {128, 128, 128, 128}, 16), {1, 8, true, 64, false, true},
                    "compute_90a"});
   cases.push_back({"wgmma_mixed_bf16_sm90a", mixed, {2, 4, true, 64, false, true}, "compute_90a"});

@@ -117,6 +117,11 @@ FUSED_CASES = {
                              bias=[True, False, True, False], variant=(1, 8, True, 64), batches=[1000]),
     "in24_tanh_mt2": dict(in_w=24, hidden=[32, 32], out_w=8, act="tanh", dtype=torch.float16, bias=True,
                           variant=(2, 4, True, 64), batches=[127, 4099]),
+    "w64_relu_recompute4": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
+                                variant=(1, 8, True, 64), recompute=4, batches=[1, 127, 65539]),
+    "odd_tanh_bf16_recompute2": dict(in_w=3, hidden=[48, 16, 32], out_w=5, act="tanh", dtype=torch.bfloat16,
+                                     bias=[False, True, False, True], variant=(1, 8, True, 64), recompute=2,
+                                     batches=[1000]),
     "w16_sigmoid_out": dict(in_w=19, hidden=[16, 16, 16], out_w=7, act="relu", out_act="sigmoid",
                             dtype=torch.float16, bias=True, variant=(2, 4, True, 64), batches=[65539]),
 }
@@ -128,8 +133,14 @@ def test_both_weight_gradient_paths_agree_with_the_reference(case, fused):
     c = FUSED_CASES[case]
     m = make(c["in_w"], c["hidden"], c["out_w"], act=c["act"], out_act=c.get("out_act", "identity"),
              dtype=c["dtype"], seed=4, bias=c["bias"])
-    engine = m.engine(torch.device("cuda", 0), c["dtype"], (*c["variant"], fused))
-    assert engine.build_info["variant"].endswith("_fw") == fused
+    rc = c.get("recompute", 0)
+    if rc and not fused:  # recomputed activations exist only beside the fused weight gradients: a clear error
+        with pytest.raises(ValueError, match="recomputed activations need the fused weight gradients"):
+            m.engine(torch.device("cuda", 0), c["dtype"], (*c["variant"], False, False, rc))
+        return
+    engine = m.engine(torch.device("cuda", 0), c["dtype"], (*c["variant"], fused) + ((False, rc) if rc else ()))
+    assert ("_fw" in engine.build_info["variant"]) == fused
+    assert engine.build_info["variant"].endswith(f"_rc{rc}" if rc else ("_fw" if fused else "_resident"))
     m._engines[(0, c["dtype"], None)] = engine  # forward() and backward use this variant
     for batch in c["batches"]:
         m.zero_grad(set_to_none=True)
