@@ -34,13 +34,17 @@ struct Buffer {
   Buffer& operator=(const Buffer&) = delete;
 };
 
-// The forward ignores fused_wgrad: candidates that differ only there are one forward candidate.
+// The inference forward ignores fused_wgrad and recompute (they change only the backward and the training forward's
+// stash): candidates that differ only there are one forward candidate.
+MlpVariant forward_tiling(MlpVariant v) {
+  v.fused_wgrad = false;
+  v.recompute = 0;
+  return v;
+}
 std::vector<MlpVariant> forward_candidates(const std::vector<MlpVariant>& all) {
   std::vector<MlpVariant> out;
-  for (MlpVariant v : all) {
-    v.fused_wgrad = false;
-    if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
-  }
+  for (const MlpVariant& v : all)
+    if (std::find(out.begin(), out.end(), forward_tiling(v)) == out.end()) out.push_back(forward_tiling(v));
   return out;
 }
 
@@ -85,9 +89,7 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
   std::vector<size_t> fwd_engine_index;
   for (const MlpVariant& f : fwd) {
     for (size_t i = 0; i < all.size(); ++i) {
-      MlpVariant tiling = all[i];
-      tiling.fused_wgrad = false;
-      if (tiling == f) {
+      if (forward_tiling(all[i]) == f) {
         fwd_engine_index.push_back(i);
         break;
       }

@@ -383,8 +383,10 @@ def test_tune_chooses_checked_variants_and_caches_them(tmp_path, monkeypatch):
         assert not any(c["rejected"] for c in r["candidates"]), r  # every variant computes the same MLP
         assert r["choice"] in [c["name"] for c in r["candidates"]], r
     fwd, bwd = m.variants()
-    assert len(fwd) == 6 and len(bwd) == 6  # (m_tiles, warps, weights_resident, k_chunk, fused_wgrad, wgmma)
-    assert fwd[4] is False  # the forward ignores fused_wgrad: its candidates are listed without it
+    assert len(fwd) == 7 and len(bwd) == 7  # (m_tiles, warps, weights_resident, k_chunk, fused_wgrad, wgmma, recompute)
+    # The forward ignores fused_wgrad and recompute: its candidates are listed without them.
+    assert fwd[4] is False and fwd[6] == 0
+    assert not any("_rc" in c["name"] for c in rows[0]["candidates"]), rows[0]["candidates"]
     wgmma_candidates = [c["name"] for c in rows[0]["candidates"] if c["name"].endswith("_wg")]
     assert bool(wgmma_candidates) == is_hopper(), wgmma_candidates
     again = make(8, [32, 48], 5, act="silu", seed=7)
