@@ -1,6 +1,7 @@
 """How close can fp16 / bf16 storage get to float64 gradients? Per parameter: kfuse's error and PyTorch's own
-(half / bfloat16 modules, cuDNN) against the float64 reference, on exactly the problems of
-tests/python/test_gpu_training.py::test_gradients_match_float64_reference, plus the conditioning of each FixUp
+(half / bfloat16 modules, cuDNN) against the float64 reference, on the networks, inputs and dL/dy of
+tests/python/test_gpu_training.py::test_gradients_match_float64_reference before the test zeroes dL/dy near the
+output ReLU's threshold (away_from_kinks: this script shows why it does), plus the conditioning of each FixUp
 scalar's gradient (conftest.scalar_gradient_conditioning). Diagnostic tool for the gradient tolerances.
 
     python scripts/grad_calibration.py [C:N ...] [--dtype fp16|bf16|both] [--all]

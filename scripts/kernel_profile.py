@@ -4,7 +4,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def kernel_times(step, warmup: int = 5, steps: int = 10, intervals: list | None = None):
+PROFILED_STEPS = 10
+
+
+def kernel_times(step, warmup: int = 5, steps: int = PROFILED_STEPS, intervals: list | None = None):
     """Runs `step` warmup times, then `steps` times under the profiler. Returns (kernel microseconds per step,
     [(kernel name, microseconds per step, launches per step)], slowest first). `intervals`, if given, receives
     (start us, end us, name) of every GPU activity."""
@@ -32,6 +35,8 @@ def idle_gaps(intervals: list, steps: int, min_us: float = 3.0):
     """Where the GPU had nothing to run: (busy microseconds per step, [(gap us per step, count per step, kernel
     before, kernel after)] largest first), from the union of the activity intervals."""
     iv = sorted(intervals)
+    if not iv:
+        return 0.0, []
     busy, gaps = 0.0, {}
     cur_s, cur_e, cur_name = iv[0][0], iv[0][1], iv[0][2]
     for s_, e_, name in iv[1:]:

@@ -10,7 +10,7 @@ import sys
 import time
 
 import torch
-from kernel_profile import idle_gaps, kernel_times
+from kernel_profile import PROFILED_STEPS, idle_gaps, kernel_times
 
 import kfuse
 
@@ -28,7 +28,7 @@ def main():
 
     intervals = []
     total, rows = kernel_times(step, intervals=intervals)
-    busy, gaps = idle_gaps(intervals, 10)
+    busy, gaps = idle_gaps(intervals, PROFILED_STEPS)
     # Wall time per step, back to back: below the kernel-time sum where branches of the step's graphs overlap.
     steps = 30
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -138,7 +138,9 @@ bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_
 // The variants the autotuner chose for one spec and batch on one device: the inference forward's and the training
 // step's (its forward_train and backward), timed as two ops ("mlp_forward", "mlp_train") over
 // mlp_candidate_variants, each checked against the heuristic default's output and cached like every kfuse op
-// (kfuse/tuner.h). The two may differ: weights, stash and activations are laid out the same for every variant.
+// (kfuse/tuner.h). The two may differ: weights, stash and activations are laid out the same for every variant (a
+// variant with recompute leaves the stash arrays of its recomputed layers unwritten, so only its own backward may
+// read a stash its forward_train wrote).
 // Compiles (or loads from the kernel cache) one FusedMlp per candidate when it has to time them.
 struct MlpTuning {
   MlpVariant forward;   // inference: forward()
@@ -191,7 +193,8 @@ class FusedMlp {
   // As forward, and keeps the activations backward needs in `stash` (stash_bytes(batch)).
   void forward_train(const void* packed, const void* x, void* y, void* stash, int64_t batch, Stream stream) const;
   // From dy = dL/dy: every parameter's gradient into `grads` (float32, num_parameters(), overwritten) and, when
-  // dx is not null, dL/dx. x, y and stash are forward_train's; `workspace` holds backward_workspace_bytes(batch).
+  // dx is not null, dL/dx. x, y and stash are this object's forward_train's (a variant with recompute leaves part of
+  // the stash unwritten); `workspace` holds backward_workspace_bytes(batch).
   void backward(const void* packed, const void* x, const void* y, const void* dy, const void* stash,
                 void* workspace, float* grads, void* dx, int64_t batch, Stream stream) const;
 

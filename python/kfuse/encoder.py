@@ -275,31 +275,7 @@ class ResNetEncoder(reference.ResNetEncoder):
         params = _param_list(self, self.config)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return self._forward_cuda_train(x, params)
-        w_dtype = params[0].dtype
-        key = (x.shape, x.stride(), x.dtype, x.device, w_dtype, params[0].device)
-        call = self.__dict__.get("_kfuse_last_call")
-        if call is None or call[0] != key:
-            self._check_input(x)
-            if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
-                raise ValueError(f"CUDA input must be float32, float16, bfloat16 or uint8, got {x.dtype}")
-            precision = torch.bfloat16 if w_dtype == torch.bfloat16 else torch.float16
-            out_dtype = torch.float32 if w_dtype == torch.float32 else precision
-            out_shape = tuple(_C.output_shape(self.config, list(x.shape)))
-            call = [key, precision, out_dtype, out_shape, x.device.index or 0, None, None]
-            self.__dict__["_kfuse_last_call"] = call
-        _, precision, out_dtype, out_shape, index, spec, spec_engine = call
-        entry = self._gpu_engine(x.device, precision, params)
-        gpu = entry[0]
-        affine = self._uint8_affine() if x.dtype == torch.uint8 else _NO_AFFINE
-        if entry[2] != affine:  # changing it recaptures the CUDA graphs: keep it while the input kind stays
-            gpu.set_input_affine(*affine)
-            entry[2] = affine
-        y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
-        stream = torch._C._cuda_getCurrentRawStream(index)
-        if spec is None or spec_engine is not gpu:
-            # First call of this kind: full DLPack validation, kept for the next calls (only pointers change).
-            call[5] = spec = gpu.prepare_call(x, y)
-            call[6] = gpu
+        gpu, spec, y, stream, _ = self._prepared_call(x, params, "_kfuse_last_call")
         gpu.run(spec, x.data_ptr(), y.data_ptr(), stream)
         return y
 
@@ -308,35 +284,41 @@ class ResNetEncoder(reference.ResNetEncoder):
         # cached per input kind (as in _forward_cuda), and the forward runs before autograd's bookkeeping of the
         # inputs (_CudaTrainFunction.apply with every parameter, ~0.1 ms), which then overlaps the GPU's work.
         w_dtype = params[0].dtype
+        if w_dtype not in _PARAM_DTYPE_NAMES or any(p.dtype != w_dtype for p in params):
+            raise ValueError("training on CUDA needs the parameters in one dtype of float32, float16 or bfloat16; got "
+                             + ", ".join(sorted({str(p.dtype) for p in params})))
+        gpu, spec, y, stream, entry = self._prepared_call(x, params, "_kfuse_last_train_call")
+        stash = gpu.run_train(spec, x.data_ptr(), y.data_ptr(), stream)
+        return _CudaTrainFunction.apply(self, entry, (stash, y), x, *params)
+
+    def _prepared_call(self, x: torch.Tensor, params: list[torch.Tensor], slot: str):
+        """(engine, prepared call, new output y, stream, engine entry) for a forward of x: the input is validated
+        and the call prepared (full DLPack validation) once per input kind, kept in self.__dict__[slot]; later calls
+        of the same kind pass only pointers."""
+        w_dtype = params[0].dtype
         key = (x.shape, x.stride(), x.dtype, x.device, w_dtype, params[0].device)
-        call = self.__dict__.get("_kfuse_last_train_call")
+        call = self.__dict__.get(slot)
         if call is None or call[0] != key:
             self._check_input(x)
             if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
                 raise ValueError(f"CUDA input must be float32, float16, bfloat16 or uint8, got {x.dtype}")
-            if w_dtype not in _PARAM_DTYPE_NAMES:
-                raise ValueError(f"training on CUDA needs the parameters in float32, float16 or bfloat16; got {w_dtype}")
             precision = torch.bfloat16 if w_dtype == torch.bfloat16 else torch.float16
             out_dtype = torch.float32 if w_dtype == torch.float32 else precision
             out_shape = tuple(_C.output_shape(self.config, list(x.shape)))
             call = [key, precision, out_dtype, out_shape, x.device.index or 0, None, None]
-            self.__dict__["_kfuse_last_train_call"] = call
-        if any(p.dtype != w_dtype for p in params):
-            raise ValueError("training on CUDA needs the parameters in one dtype of float32, float16 or bfloat16; got "
-                             + ", ".join(sorted({str(p.dtype) for p in params})))
+            self.__dict__[slot] = call
         _, precision, out_dtype, out_shape, index, spec, spec_engine = call
         entry = self._gpu_engine(x.device, precision, params)
         gpu = entry[0]
         affine = self._uint8_affine() if x.dtype == torch.uint8 else _NO_AFFINE
-        if entry[2] != affine:
+        if entry[2] != affine:  # changing it recaptures the CUDA graphs: keep it while the input kind stays
             gpu.set_input_affine(*affine)
             entry[2] = affine
         y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
         if spec is None or spec_engine is not gpu:
-            call[5] = spec = gpu.prepare_call(x, y)  # full DLPack validation once; later calls pass pointers
+            call[5] = spec = gpu.prepare_call(x, y)
             call[6] = gpu
-        stash = gpu.run_train(spec, x.data_ptr(), y.data_ptr(), torch._C._cuda_getCurrentRawStream(index))
-        return _CudaTrainFunction.apply(self, entry, (stash, y), x, *params)
+        return gpu, spec, y, torch._C._cuda_getCurrentRawStream(index), entry
 
     # -- tuning ----------------------------------------------------------------------------------------------------
     def tune(self, batch: int = 128, height: int = 64, width: int = 64, mode: str = "retune",

@@ -142,8 +142,9 @@ class _FusedFunction(torch.autograd.Function):
         y = torch.empty(batch, out_width, dtype=x.dtype, device=x.device)
         stream = _cuda_stream(x.device)
         if train:
-            # The training variant's stash-writing forward and backward (tuned together as one training step);
-            # inference may use another variant: weights, stash and y are laid out the same for all.
+            # The training variant's stash-writing forward and backward (tuned together as one training step; with
+            # recomputed activations its forward leaves part of the stash unwritten, so the backward must be the
+            # same engine's); inference may use another variant: weights and y are laid out the same for all.
             stash = torch.empty(max(bwd_engine.stash_bytes(batch), 16), dtype=torch.uint8, device=x.device)
             bwd_engine.forward_train(packed, x, y, stash, stream)
             ctx.engine = bwd_engine

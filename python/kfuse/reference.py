@@ -81,11 +81,15 @@ class SEFixupBasicBlock(nn.Module):
                     nn.init.normal_(m.weight, mean=0, std=math.sqrt(2 / (m.weight.shape[0] * m.weight[0, 0].numel())))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.pre_activation(x))
+
+    def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output before its last ReLU: o * g + identity."""
         a = x + self.fixup_bias1a
         h = torch.relu(self.conv1(a) + self.fixup_bias1b)
         o = self.conv2(h + self.fixup_bias2a) * self.fixup_scale + self.fixup_bias2b
         identity = x if self.downsample is None else self.downsample(a)
-        return torch.relu(o * self.se(o) + identity)
+        return o * self.se(o) + identity
 
 
 class ResNetEncoder(nn.Module):

@@ -191,6 +191,13 @@ namespace {
 // still checks everything else), which saves the two DLPack exports per call.
 struct CallSpec {
   DeviceTensorView x, y;
+  // The same call on other data pointers (tensors of the same shape, dtype, strides and device).
+  CallSpec on(uintptr_t x_ptr, uintptr_t y_ptr) const {
+    CallSpec c = *this;
+    c.x.data = reinterpret_cast<void*>(x_ptr);
+    c.y.data = reinterpret_cast<void*>(y_ptr);
+    return c;
+  }
 };
 
 }  // namespace
@@ -296,11 +303,9 @@ NB_MODULE(_C, m) {
            "x"_a, "y"_a, "A reusable call for tensors like x and y (same shape, dtype, strides, device)")
       .def("run",
            [](EncoderGpu& e, const CallSpec& spec, uintptr_t x, uintptr_t y, uintptr_t stream) {
-             DeviceTensorView xv = spec.x, yv = spec.y;
-             xv.data = reinterpret_cast<void*>(x);
-             yv.data = reinterpret_cast<void*>(y);
+             const CallSpec c = spec.on(x, y);
              nb::gil_scoped_release release;
-             e.forward(xv, yv, reinterpret_cast<cudaStream_t>(stream));
+             e.forward(c.x, c.y, reinterpret_cast<cudaStream_t>(stream));
            },
            "spec"_a, "x_ptr"_a, "y_ptr"_a, "stream"_a,
            "forward() on the data pointers of tensors like the ones `spec` was prepared with")
@@ -348,11 +353,9 @@ NB_MODULE(_C, m) {
            "x"_a, "y"_a, "stream"_a, "The training forward; returns the id of the state kept for backward")
       .def("run_train",
            [](EncoderGpu& e, const CallSpec& spec, uintptr_t x, uintptr_t y, uintptr_t stream) {
-             DeviceTensorView xv = spec.x, yv = spec.y;
-             xv.data = reinterpret_cast<void*>(x);
-             yv.data = reinterpret_cast<void*>(y);
+             const CallSpec c = spec.on(x, y);
              nb::gil_scoped_release release;
-             return e.forward_train(xv, yv, reinterpret_cast<cudaStream_t>(stream));
+             return e.forward_train(c.x, c.y, reinterpret_cast<cudaStream_t>(stream));
            },
            "spec"_a, "x_ptr"_a, "y_ptr"_a, "stream"_a,
            "forward_train() on the data pointers of tensors like the ones `spec` was prepared with")

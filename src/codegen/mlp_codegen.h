@@ -14,7 +14,9 @@
 //   BwdParams    { const u16* dy; const u16* y; const u16* stash; const u16* w; u16* dz; u16* dx; const u16* x;
 //                  float* partials; i64 batch; i64 num_blocks; }   (x, partials: fused_wgrad only)
 //   ReduceParams { const float* partials; float* grads; int slices; }   (slices: the backward's grid size)
-// FwdParams.w points at the packed forward region, BwdParams.w at the backward region (codegen/mlp_layout.h).
+// FwdParams.w points at the packed forward region, BwdParams.w at the backward region (codegen/mlp_layout.h), of
+// the whole packed buffer: a backward with recomputed activations (MlpVariant::recompute) also reads the forward
+// region before it and the biases after it.
 // Every forward and backward kernel runs warps * 32 threads per CTA with the variant's dynamic shared memory and
 // loops over row blocks (persistent CTAs): any grid size up to num_blocks works.
 #pragma once

@@ -4,7 +4,9 @@
 //     memory layout, so resident weights load with one flat copy), the backward region (the transposes:
 //     in_padded rows x (out_padded + 8)), then the biases as float32 (out_padded per layer, zero where absent);
 //   stash (forward_train -> backward): per layer, arrays of `batch` rows: the activation output h (hidden layers)
-//     and the pre-activation z where the activation's derivative needs x;
+//     and the pre-activation z where the activation's derivative needs x. The layout is the same for every
+//     variant; one with recompute = r does not write (and its backward does not read) h of the first r layers,
+//     whose arrays stay allocated (one stash_bytes for all variants);
 //   backward workspace: per layer the activation gradient dz (batch x out_padded), then `batch` ones (bias
 //     gradients as GEMVs).
 // Array offsets of the stash and the workspace are "elements per row": the array starts at offset * batch.

@@ -221,8 +221,8 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
 // both publishes a layer's tiles and frees the ones the layer before last read.
 class WgradWriter {
  public:
-  WgradWriter(std::ostringstream& os, const MlpSpec& s, const MlpLayout& m, const WgradPlan& plan, int recompute)
-      : os_(os), s_(s), m_(m), plan_(plan), rc_(recompute) {}
+  WgradWriter(std::ostringstream& os, const MlpSpec& s, const MlpLayout& m, const WgradPlan& plan)
+      : os_(os), s_(s), m_(m), plan_(plan), rc_(plan.recompute) {}
 
   // Accumulators, tile addresses and the first row block's input tile of the last layer.
   std::string before_loop() const {
@@ -295,10 +295,12 @@ class WgradWriter {
   }
 
   // MlpVariant::recompute, at the start of a row block: this warp's rows of h_0 .. h_{rc-1} from x through the
-  // resident forward weights, each into its tile (zero rows beyond the batch, as the stash copies would be). The
-  // tiles are read by other warps only after the next layer barrier, and the last reads of a row block's tiles
-  // (layer 1's weight gradient, layer 0's derivative) come before its last barrier, so one row block's recompute
-  // never overwrites what another warp still reads.
+  // resident forward weights, each into its tile (zero rows beyond the batch, as the stash copies would be). A lane's
+  // derivative reads (load_c_shared) get back exactly the values it stored; other warps read the tiles only after
+  // the next layer barrier, and the last reads of a row block's tiles (layer 1's weight gradient, layer 0's
+  // derivative) come before its last barrier, so one row block's recompute never overwrites what another warp still
+  // reads. The mma.sync chain here may round h differently from a wgmma forward (other summation order): the
+  // backward then differentiates its own recomputed h, within the storage rounding.
   void recompute() const {
     if (rc_ == 0) return;
     const int64_t bias_delta = m_.bias_byte_offset - m_.bwd_region_byte_offset;
@@ -322,7 +324,7 @@ class WgradWriter {
           << "      store_a_shared<" << n + 8 << ">(" << rc_tile(l) << ", ra" << l + 1
           << ", trow, row, p.batch, q);\n";
     }
-    os_ << "      __syncwarp();  // the lanes read each other's rows of the tiles\n    }\n";
+    os_ << "    }\n";
   }
 
   // After the row-block loop: every CTA writes its partial gradient vector.
@@ -359,8 +361,7 @@ class WgradWriter {
     return cat("h_tiles + (", parity, ") * ", plan_.h_tile_bytes, "u");
   }
   std::string rc_tile(int l) const { return cat("smem + ", plan_.rc_tile_offset + l * plan_.rc_tile_bytes, "u"); }
-  // Whether layer l's input is a recomputed output (h_{l-1} with l - 1 < recompute).
-  bool recomputed_input(int l) const { return l >= 1 && l - 1 < rc_; }
+  bool recomputed_input(int l) const { return plan_.recomputed_input(l); }
   // Layer l's input (x, or the stashed output of layer l - 1) for the rows from `row0` into the tile at `dst`.
   std::string input_tile_copy(int l, const std::string& dst, const std::string& row0) const {
     const int in_p = s_.layer_in_padded(l);
@@ -385,7 +386,7 @@ void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& 
     gemms.push_back({s.layer_out_padded(l), s.layer_in_padded(l), m.bwd_weight_offset[l]});
   KernelWriter w(os, v, gemms, m.bwd_region_halves * 2);
   const WgradPlan plan = v.fused_wgrad ? mlp_wgrad_plan(s, v) : WgradPlan{};
-  const WgradWriter wg(os, s, m, plan, v.recompute);
+  const WgradWriter wg(os, s, m, plan);
   const std::string name = dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward";
   os << "extern \"C\" __global__ void __launch_bounds__(THREADS) " << name << "(BwdParams p) {\n";
   w.prologue(v.fused_wgrad ? wg.before_loop() : "");

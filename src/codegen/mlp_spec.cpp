@@ -82,8 +82,9 @@ std::string recompute_problem(const MlpSpec& spec, const MlpVariant& v) {
       return os.str();
     }
     if (!plan.layers[l + 1].weight) {
-      os << "layer " << l + 1 << "'s weight gradient is a cuBLAS GEMM over the stashed input; layer " << l
-         << "'s output cannot be recomputed";
+      os << "layer " << l + 1 << "'s weight gradient does not fit the kernel's register or shared-memory budget "
+         << "and is a cuBLAS GEMM over the stashed input, so layer " << l
+         << "'s output cannot be recomputed; use recompute <= " << l << " or more warps";
       return os.str();
     }
   }
@@ -97,6 +98,8 @@ void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
   KFUSE_CHECK(v.warps >= 1 && v.warps <= 16, InvalidArgument, "MLP variant: warps must be in [1, 16], got ", v.warps);
   KFUSE_CHECK(v.k_chunk >= 16 && v.k_chunk % 16 == 0, InvalidArgument,
               "MLP variant: k_chunk must be a positive multiple of 16, got ", v.k_chunk);
+  KFUSE_CHECK(v.recompute >= 0 && v.recompute < spec.num_layers(), InvalidArgument, "variant ", v.name(),
+              ": recompute must be in [0, ", spec.num_layers() - 1, "] (the hidden layers), got ", v.recompute);
   if (v.fused_wgrad) {
     KFUSE_CHECK(v.weights_resident, InvalidArgument, "variant ", v.name(),
                 ": fused weight gradients need resident weights");
@@ -106,8 +109,6 @@ void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
                 " accumulators per thread, more than the ", codegen::kMaxWgradAccumulatorFloats,
                 " that fit; use fused_wgrad = false or more warps");
   }
-  KFUSE_CHECK(v.recompute >= 0 && v.recompute < spec.num_layers(), InvalidArgument, "variant ", v.name(),
-              ": recompute must be in [0, ", spec.num_layers() - 1, "] (the hidden layers), got ", v.recompute);
   const std::string rc = recompute_problem(spec, v);
   KFUSE_CHECK(rc.empty(), InvalidArgument, "variant ", v.name(), ": ", rc);
   if (v.wgmma) {

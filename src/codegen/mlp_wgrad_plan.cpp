@@ -72,13 +72,14 @@ WgradPlan mlp_wgrad_plan(const MlpSpec& s, const MlpVariant& v) {
   // Shared memory: the input tiles are as wide as the widest input of a layer whose weight gradient stays inside;
   // past the budget, that layer's weight gradient goes outside too.
   const MlpLayout layout = mlp_layout(s);
-  const int rc = std::min(v.recompute, L - 1);
+  p.recompute = std::clamp(v.recompute, 0, L - 1);  // validate_variant rejects what the clamp changes
+  const int rc = p.recompute;
   int rc_width = 0;
   for (int l = 0; l < rc; ++l) rc_width = std::max(rc_width, s.layer_out_padded(l));
   for (;;) {
     int max_in = 0, widest = -1;
     for (int l = 0; l < L; ++l)
-      if (p.layers[l].weight && (l == 0 || l > rc) && s.layer_in_padded(l) > max_in) {
+      if (p.layers[l].weight && !p.recomputed_input(l) && s.layer_in_padded(l) > max_in) {
         max_in = s.layer_in_padded(l);
         widest = l;
       }

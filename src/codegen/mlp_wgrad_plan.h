@@ -57,8 +57,12 @@ struct WgradPlan {
                                                 // that is not recomputed
   // MlpVariant::recompute: one tile per recomputed layer output (rows x (widest of them + 8) halves, kept for the
   // row block), then those layers' forward weights (the forward region's first fwd_weight_bytes, as packed).
+  int recompute = 0;
   int64_t rc_tile_offset = 0, rc_tile_bytes = 0;
   int64_t fwd_weight_smem_offset = 0, fwd_weight_bytes = 0;
+  // Whether layer l's input is a recomputed output (h_{l-1} with l - 1 < recompute): its weight gradient reads
+  // that layer's recompute tile instead of an input tile.
+  bool recomputed_input(int l) const { return l >= 1 && l - 1 < recompute; }
   int64_t smem_bytes = 0;
   // End of the kernel: the warps_in bias partials of layer l at float offset bias_scratch_offset[l] of shared
   // memory (warps_in x out_padded floats; the weights and tiles are dead by then).

@@ -1,10 +1,11 @@
 // The fused MLP's kernel variants through the generic tuner (kfuse/tuner.h): the inference forward ("mlp_forward")
 // and the training step ("mlp_train": training forward + backward of one variant) are two ops, each timed over the
 // candidate variants (mlp_candidate_variants) on random weights and inputs of the tuned batch, checked against the
-// heuristic default's output, cached per device / spec / batch. They are chosen separately: the packed weights,
-// the stash and every buffer between them are the same for every variant, so inference can take the forward's
-// best tiling (e.g. a wgmma forward) while training takes the variant whose stash-writing forward and backward are
-// fastest together (e.g. fused weight gradients, which need more warps).
+// heuristic default's output, cached per device / spec / batch. They are chosen separately: the packed weights and
+// the buffers between them are laid out the same for every variant, so inference can take the forward's best
+// tiling (e.g. a wgmma forward) while training takes the variant whose stash-writing forward and backward are
+// fastest together (e.g. fused weight gradients, which need more warps; recomputed activations, whose forward
+// leaves part of the stash unwritten: a training candidate always pairs its own forward_train with its backward).
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -173,7 +174,16 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
       };
       const size_t n = size_t(spec.num_parameters());
       void* g = d.grads->p;
-      return std::make_unique<CandidateTimer>(launch, poison_fn(g, 4 * n),
+      // The stash is poisoned too: a candidate's backward must read only what its own forward_train wrote (one
+      // with recomputed activations leaves their arrays unwritten), and a stale read would see the last one's.
+      auto poison_grads = poison_fn(g, 4 * n);
+      void* const stash = d.stash->p;
+      const size_t stash_bytes = engine_at(0).stash_bytes(batch);
+      auto poison = [poison_grads, stash, stash_bytes](size_t i, cudaStream_t s) {
+        poison_grads(i, s);
+        check_cuda(cudaMemsetAsync(stash, 0xff, stash_bytes, s), "cudaMemset (MLP tuning stash)");
+      };
+      return std::make_unique<CandidateTimer>(launch, poison,
                                               [g, n](size_t) {
                                                 return CandidateTimer::Output{g, n, kernels::ValueType::kF32};
                                               },

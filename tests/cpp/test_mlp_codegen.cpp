@@ -176,6 +176,11 @@ TEST(MlpVariants, RecomputedActivationsAreNotStashed) {
   EXPECT_NE(error_of([&] { validate_variant(s, {1, 8, true, 64, true, false, 5}); })
                 .find("recompute must be in [0, 4] (the hidden layers), got 5"),
             std::string::npos);
+  EXPECT_NE(error_of([&] { validate_variant(s, {1, 8, true, 64, true, false, -1000000}); })
+                .find("recompute must be in [0, 4] (the hidden layers), got -1000000"),
+            std::string::npos);
+  // The plan never indexes outside the layers, even for a variant validate_variant rejects.
+  EXPECT_EQ(codegen::mlp_wgrad_plan(s, {1, 8, true, 64, true, false, -1}).fwd_weight_bytes, 0);
   EXPECT_NE(error_of([&] { validate_variant(make_spec(32, {64, 64}, 16, "gelu"), {1, 8, true, 64, true, false, 1}); })
                 .find("layer 0's activation 'gelu' needs its pre-activation"),
             std::string::npos);
@@ -183,7 +188,8 @@ TEST(MlpVariants, RecomputedActivationsAreNotStashed) {
   // recomputed.
   const MlpSpec w128 = make_spec(32, {128, 128, 128, 128}, 16);
   EXPECT_NE(error_of([&] { validate_variant(w128, {1, 8, true, 64, true, false, 1}); })
-                .find("weight gradient is a cuBLAS GEMM over the stashed input"),
+                .find("layer 1's weight gradient does not fit the kernel's register or shared-memory budget and is a "
+                      "cuBLAS GEMM over the stashed input, so layer 0's output cannot be recomputed; use recompute <= 0"),
             std::string::npos);
   // Candidates: recompute 2 and 4 beside the fused variants at width 64.
   int rc2 = 0, rc4 = 0;

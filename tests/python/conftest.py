@@ -90,12 +90,9 @@ def scalar_gradient_conditioning(model: torch.nn.Module, x: torch.Tensor, dy: to
 
 
 def final_pre_activation(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The encoder's output before its last ReLU (reference.ResNetEncoder's forward, the last block unrolled)."""
+    """The encoder's output before its last ReLU."""
     h = model.stem(x)
     blocks = [b for stage in model.layers for b in stage]
     for b in blocks[:-1]:
         h = b(h)
-    b = blocks[-1]
-    a = h + b.fixup_bias1a
-    o = b.conv2(torch.relu(b.conv1(a) + b.fixup_bias1b) + b.fixup_bias2a) * b.fixup_scale + b.fixup_bias2b
-    return o * b.se(o) + (h if b.downsample is None else b.downsample(a))
+    return blocks[-1].pre_activation(h)

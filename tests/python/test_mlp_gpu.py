@@ -157,6 +157,8 @@ def is_hopper():
 WGMMA_CASES = {
     "w64_mt2_w8": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
                        variant=(2, 8, True, 64, False, True)),
+    "w64_mt1_w8_fw_recompute4": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
+                                     variant=(1, 8, True, 64, True, True, 4)),
     "w128_mt1_w8": dict(in_w=32, hidden=[128] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
                         variant=(1, 8, True, 64, False, True)),
     "odd_io_silu_bf16_mt1_w4": dict(in_w=3, hidden=[48, 16, 80], out_w=5, act="silu", dtype=torch.bfloat16,
@@ -173,7 +175,7 @@ def test_wgmma_forward_agrees_with_the_reference(case):
     c = WGMMA_CASES[case]
     m = make(c["in_w"], c["hidden"], c["out_w"], act=c["act"], dtype=c["dtype"], seed=5, bias=c["bias"])
     engine = m.engine(torch.device("cuda", 0), c["dtype"], c["variant"])
-    assert engine.build_info["variant"].endswith("_wg") and engine.build_info["arch"] == "sm_90a"
+    assert "_wg" in engine.build_info["variant"] and engine.build_info["arch"] == "sm_90a"
     m._engines[(0, c["dtype"], None)] = engine  # forward() and backward use this variant
     for batch in [1, 127, 65539]:
         x = torch.randn(batch, c["in_w"], device="cuda")
@@ -216,10 +218,13 @@ def test_default_variant_fuses_weight_gradients_where_they_fit():
         assert m.engine(torch.device("cuda", 0), torch.float16).build_info["variant"].endswith("_fw") == fused
 
 
-def test_outputs_poisoned_before_the_run_are_overwritten():
+@pytest.mark.parametrize("variant", [None, (1, 8, True, 64, True, False, 2)], ids=["default", "recompute2"])
+def test_outputs_poisoned_before_the_run_are_overwritten(variant):
+    """Outputs and the stash start as NaN: every output is written, and the backward reads only stash arrays its
+    forward_train wrote (with recomputed activations, the first layers' arrays stay NaN)."""
     m = make(32, [64, 64], 10, act="tanh")
     dev = torch.device("cuda", 0)
-    e = m.engine(dev, torch.float16)
+    e = m.engine(dev, torch.float16, variant)
     params = m._params()
     packed = m._packed_weights(e, params, torch.float16)
     batch = 333
@@ -370,12 +375,14 @@ def test_compile_and_cache_load_times_are_reported():
     assert math.isfinite(info["compile_seconds"]) and math.isfinite(info["load_seconds"])
 
 
-def test_tune_chooses_checked_variants_and_caches_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("act", ["silu", "relu"])
+def test_tune_chooses_checked_variants_and_caches_them(tmp_path, monkeypatch, act):
     """FusedMLP.tune times every candidate variant of the forward and of the training step (training forward +
     backward), keeps the choice in the tuning cache (a second call times nothing), and the chosen pair (possibly two
-    different variants) computes what the float64 reference computes."""
+    different variants) computes what the float64 reference computes. With ReLU the training candidates include
+    recomputed activations (the tuner poisons the stash before each candidate's checked run)."""
     monkeypatch.setenv("KFUSE_CACHE_DIR", str(tmp_path))
-    m = make(8, [32, 48], 5, act="silu", seed=7)
+    m = make(8, [32, 48], 5, act=act, seed=7)
     rows = m.tune(4099)
     assert [r["op"] for r in rows] == ["mlp_forward", "mlp_train"]
     for r in rows:
@@ -387,9 +394,10 @@ def test_tune_chooses_checked_variants_and_caches_them(tmp_path, monkeypatch):
     # The forward ignores fused_wgrad and recompute: its candidates are listed without them.
     assert fwd[4] is False and fwd[6] == 0
     assert not any("_rc" in c["name"] for c in rows[0]["candidates"]), rows[0]["candidates"]
+    assert any("_rc" in c["name"] for c in rows[1]["candidates"]) == (act == "relu"), rows[1]["candidates"]
     wgmma_candidates = [c["name"] for c in rows[0]["candidates"] if c["name"].endswith("_wg")]
     assert bool(wgmma_candidates) == is_hopper(), wgmma_candidates
-    again = make(8, [32, 48], 5, act="silu", seed=7)
+    again = make(8, [32, 48], 5, act=act, seed=7)
     rows2 = again.tune(4099)
     assert all(r["from_cache"] for r in rows2)
     assert again.variants() == (fwd, bwd)
