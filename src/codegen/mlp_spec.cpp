@@ -95,8 +95,7 @@ std::string recompute_problem(const MlpSpec& spec, const MlpVariant& v) {
 void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
   KFUSE_CHECK(v.m_tiles == 1 || v.m_tiles == 2, InvalidArgument, "MLP variant: m_tiles must be 1 or 2, got ",
               v.m_tiles);
-  KFUSE_CHECK(v.warps >= 1 && v.warps <= (v.wgmma ? 20 : 16), InvalidArgument,
-              "MLP variant: warps must be in [1, 16] (20 with the wgmma forward), got ", v.warps);
+  KFUSE_CHECK(v.warps >= 1 && v.warps <= 16, InvalidArgument, "MLP variant: warps must be in [1, 16], got ", v.warps);
   KFUSE_CHECK(v.k_chunk >= 16 && v.k_chunk % 16 == 0, InvalidArgument,
               "MLP variant: k_chunk must be a positive multiple of 16, got ", v.k_chunk);
   KFUSE_CHECK(v.recompute >= 0 && v.recompute < spec.num_layers(), InvalidArgument, "variant ", v.name(),
@@ -219,17 +218,11 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
   if (hopper) {
     // The wgmma forward: whole warpgroups, resident weights; with fused weight gradients too where they fit (the
     // training step pairs its forward_train with that backward).
-    // 20 warps (5 warpgroups, 102 registers per thread at most): one more independent layer chain per SM than 16
-    // at width <= 64, where a warpgroup's chain takes ~90 registers; forward only (the fused backward needs ~220).
     for (int mt : {1, 2})
-      for (int warps : {4, 8, 16, 20}) {
+      for (int warps : {4, 8, 16}) {
         MlpVariant v{mt, warps, true, 64};
         v.wgmma = true;
-        if (warps >= 16 && (mt == 2 || max_width(spec) > 64)) continue;
-        if (warps == 20) {
-          if (fits(spec, v, smem_optin)) out.push_back(v);
-          continue;
-        }
+        if (warps == 16 && (mt == 2 || max_width(spec) > 64)) continue;
         // Two chains hold two layers' accumulators each: past width 64 ptxas spills and serializes the wgmmas.
         if (mt == 2 && max_width(spec) > 64) continue;
         if (!fits(spec, v, smem_optin)) continue;

@@ -157,8 +157,6 @@ def is_hopper():
 WGMMA_CASES = {
     "w64_mt2_w8": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
                        variant=(2, 8, True, 64, False, True)),
-    "w64_mt1_w20": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
-                        variant=(1, 20, True, 64, False, True)),
     "w64_mt1_w8_fw_recompute4": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
                                      variant=(1, 8, True, 64, True, True, 4)),
     "w128_mt1_w8": dict(in_w=32, hidden=[128] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
