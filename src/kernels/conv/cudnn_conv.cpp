@@ -1,4 +1,5 @@
 #include "kernels/conv/cudnn_conv.h"
+#include "kernels/conv/device_handle_cache.h"
 
 #include <cstdint>
 #include <cstdlib>
@@ -121,14 +122,7 @@ std::mutex& mutex() {
 
 cudnnHandle_t handle_locked() {
   static std::map<int, cudnnHandle_t> handles;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return nullptr;
-  auto it = handles.find(dev);
-  if (it != handles.end()) return it->second;
-  cudnnHandle_t h = nullptr;
-  if (api().create(&h) != CUDNN_STATUS_SUCCESS) h = nullptr;
-  handles[dev] = h;  // a failure is remembered too
-  return h;
+  return current_device_handle(handles, [](cudnnHandle_t* h) { return api().create(h) == CUDNN_STATUS_SUCCESS; });
 }
 
 Descriptors& descriptors_locked(const Conv2dProblem& p, ConvDType dtype) {

@@ -1,6 +1,7 @@
 // Dense convolutions of small images (dense_conv.h): the filter unrolled by a gather kernel, one cuBLAS GEMM, and
 // for the weight gradient a fold of the unrolled gradient back onto the filter's taps.
 #include "kernels/conv/dense_conv.h"
+#include "kernels/conv/device_handle_cache.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -91,14 +92,7 @@ std::mutex& handle_mutex() {
 // The current device's handle (created once, kept for the process), or null.
 cublasHandle_t handle_locked() {
   static std::map<int, cublasHandle_t> handles;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return nullptr;
-  auto it = handles.find(dev);
-  if (it != handles.end()) return it->second;
-  cublasHandle_t h = nullptr;
-  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) h = nullptr;
-  handles[dev] = h;  // a failure is remembered too
-  return h;
+  return current_device_handle(handles, [](cublasHandle_t* h) { return cublasCreate(h) == CUBLAS_STATUS_SUCCESS; });
 }
 
 cudaDataType_t cuda_type(ConvDType t) { return t == ConvDType::kF16 ? CUDA_R_16F : CUDA_R_16BF; }
