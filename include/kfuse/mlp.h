@@ -107,9 +107,14 @@ struct MlpVariant {
   // (the stash write and its re-read) for one more GEMM of the layer per row. Needs fused_wgrad with those layers'
   // successors' weight gradients inside the kernel, and activations whose derivative needs no pre-activation.
   int recompute = 0;
+  // The backward on Hopper warpgroup MMAs too (sm_90a; codegen/mlp_wgmma_backward.h): each warpgroup recomputes
+  // its 64 rows' hidden outputs into shared memory, runs the activation-gradient chain as wgmma with A in registers,
+  // and accumulates every weight gradient as wgmma over its rows (both operands from shared memory), overlapped
+  // with the chain. Needs the wgmma forward, fused_wgrad, m_tiles 1 and recompute = every hidden layer.
+  bool wgmma_backward = false;
 
   std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64", "mt2_w8_resident_fw", "mt1_w8_resident_wg",
-                              // "mt1_w8_resident_fw_rc4" (recompute 4)
+                              // "mt1_w8_resident_fw_rc4" (recompute 4), "mt1_w8_resident_fw_wg_rc4_wgb"
   int rows_per_cta() const { return 16 * m_tiles * warps; }
   bool operator==(const MlpVariant&) const = default;
 };

@@ -311,7 +311,7 @@ class FusedMLP(nn.Module):
         """The generated kernels for this MLP on `device` (compiled or loaded from the cache on first use).
 
         `variant`: None for the heuristic default, else (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[,
-        wgmma[, recompute]]]) as in kfuse::MlpVariant (include/kfuse/mlp.h)."""
+        wgmma[, recompute[, wgmma_backward]]]]) as in kfuse::MlpVariant (include/kfuse/mlp.h)."""
         key = (device.index or 0, compute_dtype, variant)
         e = self._engines.get(key)
         if e is None:

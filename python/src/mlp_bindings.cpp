@@ -97,20 +97,24 @@ int64_t batch_of(const FusedMlp& mlp, const Array& x) {
 
 FusedMlp::Stream as_stream(uintptr_t s) { return reinterpret_cast<FusedMlp::Stream>(s); }
 
-// (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[, wgmma[, recompute]]]): MlpVariant's fields in order.
+// (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[, wgmma[, recompute[, wgmma_backward]]]]): MlpVariant's
+// fields in order.
 MlpVariant variant_from_tuple(const nb::tuple& t) {
-  KFUSE_CHECK(t.size() >= 4 && t.size() <= 7, InvalidArgument,
-              "variant must be (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[, wgmma[, recompute]]]), got ",
+  KFUSE_CHECK(t.size() >= 4 && t.size() <= 8, InvalidArgument,
+              "variant must be (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[, wgmma[, recompute[, "
+              "wgmma_backward]]]]), got ",
               t.size(), " items");
   MlpVariant v{nb::cast<int>(t[0]), nb::cast<int>(t[1]), nb::cast<bool>(t[2]), nb::cast<int>(t[3])};
   if (t.size() >= 5) v.fused_wgrad = nb::cast<bool>(t[4]);
   if (t.size() >= 6) v.wgmma = nb::cast<bool>(t[5]);
-  if (t.size() == 7) v.recompute = nb::cast<int>(t[6]);
+  if (t.size() >= 7) v.recompute = nb::cast<int>(t[6]);
+  if (t.size() == 8) v.wgmma_backward = nb::cast<bool>(t[7]);
   return v;
 }
 
 nb::tuple variant_tuple(const MlpVariant& v) {
-  return nb::make_tuple(v.m_tiles, v.warps, v.weights_resident, v.k_chunk, v.fused_wgrad, v.wgmma, v.recompute);
+  return nb::make_tuple(v.m_tiles, v.warps, v.weights_resident, v.k_chunk, v.fused_wgrad, v.wgmma, v.recompute,
+                        v.wgmma_backward);
 }
 
 nb::dict build_info_dict(const FusedMlp& mlp) {

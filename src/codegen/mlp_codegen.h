@@ -21,6 +21,7 @@
 // loops over row blocks (persistent CTAs): any grid size up to num_blocks works.
 #pragma once
 
+#include <sstream>
 #include <string>
 
 #include "kfuse/mlp.h"
@@ -28,6 +29,15 @@
 namespace kfuse::codegen {
 
 constexpr int kMaxLayers = MlpSpec::kMaxHiddenLayers + 1;
+
+// Text of the arguments streamed one after the other (also sidesteps a GCC 12 -Wrestrict false positive on
+// "literal" + std::string).
+template <class... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
 
 // The fixed device helpers every module starts with (mlp_device_library.cpp).
 const char* mlp_device_library();

@@ -113,8 +113,9 @@ __device__ __forceinline__ void copy_tile(u32 dst, const u16* src) {
 // zero beyond the batch and beyond WIDTH: zeros, not stale data, because the tile is an mma operand summed over all
 // its rows. 16-byte pieces inside the array go by cp.async (WIDTH % 8 == 0 keeps them 16-byte aligned); the rest
 // (an input width that is not a multiple of 8) by plain loads, visible after the caller's next barrier like the
-// cp.async pieces after its wait.
-template <int ROWS, int WIDTH, int COLS, int STRIDE, int THREADS>
+// cp.async pieces after its wait. UNITS > 0: the destination is a tile of 16-byte units instead (the wgmma backward's:
+// unit (r, c) at ((r / 8) * UNITS + c) * 128 + (r % 8) * 16; STRIDE unused; dst at an 8-row group).
+template <int ROWS, int WIDTH, int COLS, int STRIDE, int THREADS, int UNITS = 0>
 __device__ __forceinline__ void copy_rows_zero_fill(u32 dst, const u16* __restrict__ src, i64 row0, i64 batch,
                                                     int tid) {
   constexpr int PIECES = COLS / 8;
@@ -126,7 +127,7 @@ __device__ __forceinline__ void copy_rows_zero_fill(u32 dst, const u16* __restri
     const int i = tid + it * THREADS;
     if ((ROWS * PIECES) % THREADS != 0 && i >= ROWS * PIECES) break;
     const int r = i / PIECES, c = (i % PIECES) * 8;
-    const u32 d = dst + (r * STRIDE + c) * 2;
+    const u32 d = UNITS > 0 ? dst + (((r >> 3) * UNITS + (c >> 3)) << 7) + ((r & 7) << 4) : dst + (r * STRIDE + c) * 2;
     if (WIDTH % 8 == 0 && (COLS == WIDTH || c < WIDTH)) {
       if (r < rows) cp_async16(d, base + r * WIDTH + c);
       else st_shared_v4(d, 0u, 0u, 0u, 0u);

@@ -11,25 +11,18 @@
 // With fused_wgrad (resident weights only) the backward kernel also accumulates the weight and bias gradients
 // (WgradWriter; the split among warps in mlp_wgrad_plan.h): one barrier per layer and row block.
 #include <cstdlib>
+#include <set>
 #include <sstream>
 
 #include "codegen/mlp_codegen.h"
 #include "codegen/mlp_layout.h"
+#include "codegen/mlp_wgmma_backward.h"
 #include "codegen/mlp_wgmma_forward.h"
 #include "codegen/mlp_wgrad_plan.h"
 #include "kfuse/error.h"
 
 namespace kfuse::codegen {
 namespace {
-
-// Text of the arguments streamed one after the other (also sidesteps a GCC 12 -Wrestrict false positive on
-// "literal" + std::string).
-template <class... Args>
-std::string cat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
-}
 
 // One GEMM of a row block: acc (rows x n) += A (rows x k) * W^T, W stored as n rows of k (+ 8 padding) halves at
 // `offset` halves of the kernel's weight region.
@@ -380,6 +373,10 @@ class WgradWriter {
 };
 
 void write_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m, bool dx) {
+  if (v.wgmma_backward) {
+    write_wgmma_backward(os, s, v, m, mlp_wgrad_plan(s, v), dx);
+    return;
+  }
   const int L = s.num_layers();
   std::vector<Gemm> gemms;  // layer l's transpose: k = out_padded(l), n = in_padded(l)
   for (int l = L - 1; l >= (dx ? 0 : 1); --l)
@@ -491,7 +488,12 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
      << " (generated)\n"
      << "#define KFUSE_BF16 " << (spec.dtype == MlpDType::kBFloat16 ? 1 : 0) << "\n"
      << mlp_device_library() << "\n";
-  if (fwd && variant.wgmma) write_wgmma_library(os, spec);  // sm_90a only: the backward part does without
+  // sm_90a only: the wgmma forward's part, and the backward part of a wgmma-backward variant.
+  std::set<int> register_a, shared_a;
+  if (fwd && variant.wgmma)
+    for (int l = 0; l < spec.num_layers(); ++l) register_a.insert(spec.layer_out_padded(l));
+  if (bwd && variant.wgmma_backward) wgmma_backward_widths(spec, wgmma_backward_plan(spec, variant), register_a, shared_a);
+  if (!register_a.empty() || !shared_a.empty()) write_wgmma_library(os, register_a, shared_a);
   os << "constexpr int MT = " << variant.m_tiles << ";\n"
      << "constexpr int WARPS = " << variant.warps << ";\n"
      << "constexpr int THREADS = WARPS * 32;\n"

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "codegen/mlp_layout.h"
+#include "codegen/mlp_wgmma_backward.h"
 #include "codegen/mlp_wgrad_plan.h"
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
@@ -100,7 +101,9 @@ void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
               "MLP variant: k_chunk must be a positive multiple of 16, got ", v.k_chunk);
   KFUSE_CHECK(v.recompute >= 0 && v.recompute < spec.num_layers(), InvalidArgument, "variant ", v.name(),
               ": recompute must be in [0, ", spec.num_layers() - 1, "] (the hidden layers), got ", v.recompute);
-  if (v.fused_wgrad) {
+  const std::string wgb = codegen::wgmma_backward_problem(spec, v);
+  KFUSE_CHECK(wgb.empty(), InvalidArgument, "variant ", v.name(), ": ", wgb);
+  if (v.fused_wgrad && !v.wgmma_backward) {  // (the wgmma backward has its own accumulator budget, checked above)
     KFUSE_CHECK(v.weights_resident, InvalidArgument, "variant ", v.name(),
                 ": fused weight gradients need resident weights");
     const int regs = codegen::mlp_wgrad_plan(spec, v).accumulator_floats;
@@ -123,6 +126,7 @@ std::string MlpVariant::name() const {
   os << "mt" << m_tiles << "_w" << warps << (weights_resident ? "_resident" : "_stream" + std::to_string(k_chunk))
      << (fused_wgrad ? "_fw" : "") << (wgmma ? "_wg" : "");
   if (recompute > 0) os << "_rc" << recompute;
+  if (wgmma_backward) os << "_wgb";
   return os.str();
 }
 
@@ -142,6 +146,7 @@ size_t mlp_forward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
 }
 
 size_t mlp_backward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
+  if (v.wgmma_backward) return static_cast<size_t>(codegen::wgmma_backward_plan(s, v).smem_bytes);
   if (v.fused_wgrad) return static_cast<size_t>(codegen::mlp_wgrad_plan(s, v).smem_bytes);
   // Transposed weights: layer l as (in_padded rows) x (out_padded columns).
   size_t total = 0, chunk = 0;
@@ -243,6 +248,17 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
       v.recompute = r;
       if (r < 1 || r > hidden || std::find(out.begin(), out.end(), v) != out.end()) continue;
       if (recompute_problem(spec, v).empty() && fits(spec, v, smem_optin)) out.push_back(v);
+    }
+  }
+  if (hopper) {
+    // The wgmma backward (every hidden output recomputed): one or two warpgroups per CTA.
+    for (int warps : {4, 8}) {
+      MlpVariant v{1, warps, true, 64};
+      v.fused_wgrad = v.wgmma = v.wgmma_backward = true;
+      v.recompute = hidden;
+      if (codegen::wgmma_backward_problem(spec, v).empty() && recompute_problem(spec, v).empty() &&
+          fits(spec, v, smem_optin))
+        out.push_back(v);
     }
   }
   return out;

@@ -7,7 +7,7 @@
 
 namespace kfuse::codegen {
 
-void write_wgmma_library(std::ostringstream& os, const MlpSpec& spec) {
+void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& shared_a) {
   os << R"KFUSE(
 // Hopper warpgroup MMA (wgmma). The four warps of a warpgroup issue each instruction together: it multiplies 64
 // rows (16 per warp; the A fragments in registers exactly as mma.sync's m16n8k16 A operand) by a K = 16 slice of
@@ -51,10 +51,112 @@ __device__ __forceinline__ void load_a_tile(u32 (&a)[1][KT][4], u32 tile, int la
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) ldsm4(base + kt * 32, a[0][kt][0], a[0][kt][1], a[0][kt][2], a[0][kt][3]);
 }
+// The backward's tiles (codegen/mlp_wgmma_backward.h): 64 rows in 16-byte units, unit (r, c) at
+// ((r / 8) * UNITS + c) * 128 + (r % 8) * 16.
+template <int UNITS>
+__device__ __forceinline__ u32 unit_addr(u32 tile, int r, int c) {
+  return tile + (((r >> 3) * UNITS + c) << 7) + ((r & 7) << 4);
+}
+// The descriptor of such a tile as an MN-major operand (K = rows): leading byte offset = the next 8 rows
+// (UNITS * 128 bytes), stride byte offset = the next 8 columns (128 bytes).
+template <int UNITS>
+__device__ __forceinline__ unsigned long long wgmma_desc_mn(u32 addr) {
+  return static_cast<unsigned long long>((addr >> 4) & 0x3fffu) | (static_cast<unsigned long long>(UNITS * 8) << 16) |
+         (8ull << 32);
+}
+// Generic-proxy shared-memory writes (st.shared, cp.async) made visible to wgmma's operand reads (async proxy).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// The 128 threads of warpgroup wg (named barrier 1 + wg; 0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory");
+}
+// A warp's A fragments of its 16 rows (from tile row wr) x 16 KT columns.
+template <int UNITS, int KT>
+__device__ __forceinline__ void load_a_units(u32 (&a)[1][KT][4], u32 tile, int wr, int lane) {
+  const int r = wr + (lane & 15), hi = lane >> 4;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+    ldsm4(unit_addr<UNITS>(tile, r, 2 * kt + hi), a[0][kt][0], a[0][kt][1], a[0][kt][2], a[0][kt][3]);
+}
+// A warp's A fragments (16-bit) into its 16 rows of the tile: register i of k-step kt is row g + 8 (i & 1),
+// columns 16 kt + 8 (i >> 1) + 2q.
+template <int UNITS, int KT>
+__device__ __forceinline__ void store_a_units(u32 tile, const u32 (&a)[1][KT][4], int wr, int lane) {
+  const int r = wr + (lane >> 2), q = lane & 3;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st_shared_u32(unit_addr<UNITS>(tile, r + 8 * (i & 1), 2 * kt + (i >> 1)) + 4 * q, a[0][kt][i]);
+}
+// The C-layout values of a warp's 16 rows as floats.
+template <int UNITS, int NT>
+__device__ __forceinline__ void load_c_units(float (&v)[1][NT][4], u32 tile, int wr, int lane) {
+  const int r = wr + (lane >> 2), q = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const u32 both = ld_shared_u32(unit_addr<UNITS>(tile, r + 8 * h, nt) + 4 * q);
+      v[0][nt][2 * h] = from_bits(static_cast<u16>(both & 0xffffu));
+      v[0][nt][2 * h + 1] = from_bits(static_cast<u16>(both >> 16));
+    }
+}
+// Zeros in units [C0, C1) of a warp's 16 rows.
+template <int UNITS, int C0, int C1>
+__device__ __forceinline__ void zero_units(u32 tile, int wr, int lane) {
+  for (int i = lane; i < 16 * (C1 - C0); i += 32)
+    st_shared_v4(unit_addr<UNITS>(tile, wr + (i & 15), C0 + (i >> 4)), 0u, 0u, 0u, 0u);
+}
+// Unit c of all 64 rows set to ones (t = the thread's index in its warpgroup).
+template <int UNITS>
+__device__ __forceinline__ void fill_unit_column(u32 tile, int c, int t) {
+  const u32 one = static_cast<u32>(to_bits(1.0f)) * 0x10001u;
+  if (t < 64) st_shared_v4(unit_addr<UNITS>(tile, t, c), one, one, one, one);
+}
+// A thread's running sums of its rows of g (per column pair): a transposed layer's bias gradient.
+template <int NT>
+__device__ __forceinline__ void add_row_sums(float (&s)[NT][2], const float (&g)[1][NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    s[nt][0] += g[0][nt][0] + g[0][nt][2];
+    s[nt][1] += g[0][nt][1] + g[0][nt][3];
+  }
+}
+// The warp's sums over its lanes (the 8 row groups) into scratch row `warp` (OUT_P floats).
+template <int OUT_P, int NT>
+__device__ __forceinline__ void store_row_sums(float (&s)[NT][2], float* scratch, int warp, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = s[nt][e];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (lane < 4) scratch[warp * OUT_P + nt * 8 + 2 * lane + e] = v;
+    }
+}
+// Adds one 64-row M tile (from M0) of a weight-gradient accumulator into the gradient sums (PyTorch's (OUT, IN)
+// layout, true widths). Normal: m = output feature, n = input feature, column IN_P = the ones unit's (the bias
+// gradient, into bias). Transposed: m = input feature, n = output feature.
+template <bool TRANSPOSED, bool BIAS, int OUT, int IN, int IN_P, int M0, int NT>
+__device__ __forceinline__ void add_wgrad(const float (&d)[1][NT][4], float* w, float* bias, int wq, int lane) {
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int m = M0 + 16 * wq + g + 8 * (e >> 1), n = 8 * j + 2 * q + (e & 1);
+      if (TRANSPOSED) {
+        if (m < IN && n < OUT) w[n * IN + m] += d[0][j][e];
+      } else if (m < OUT) {
+        if (n < IN) w[m * IN + n] += d[0][j][e];
+        else if (BIAS && n == IN_P) bias[m] += d[0][j][e];
+      }
+    }
+}
 )KFUSE";
-  std::set<int> widths;
-  for (int l = 0; l < spec.num_layers(); ++l) widths.insert(spec.layer_out_padded(l));
-  for (int n : widths) {
+  for (int n : register_a) {
     const int regs = n / 2;
     os << "__device__ __forceinline__ void wgmma_mma(float (&d)[1][" << n / 8
        << "][4], const u32 (&a)[4], unsigned long long desc) {\n"
@@ -65,6 +167,18 @@ __device__ __forceinline__ void load_a_tile(u32 (&a)[1][KT][4], u32 tile, int la
        << ", p, 1, 1, 0;\\n}\\n\"\n      : ";
     for (int i = 0; i < regs; ++i) os << (i ? ", " : "") << "\"+f\"(d[0][" << i / 4 << "][" << i % 4 << "])";
     os << "\n      : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(1));\n}\n";
+  }
+  // Both operands from shared memory, both MN-major (imm-trans-a = imm-trans-b = 1): the weight gradients.
+  for (int n : shared_a) {
+    const int regs = n / 2;
+    os << "__device__ __forceinline__ void wgmma_mma_ss(float (&d)[1][" << n / 8
+       << "][4], unsigned long long desc_a, unsigned long long desc_b) {\n"
+       << "  asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 2 << ", 0;\\n\"\n"
+       << "      \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32.\" KFUSE_MMA_TYPE \".\" KFUSE_MMA_TYPE \" {";
+    for (int i = 0; i < regs; ++i) os << (i ? "," : "") << "%" << i;
+    os << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, 1, 1;\\n}\\n\"\n      : ";
+    for (int i = 0; i < regs; ++i) os << (i ? ", " : "") << "\"+f\"(d[0][" << i / 4 << "][" << i % 4 << "])";
+    os << "\n      : \"l\"(desc_a), \"l\"(desc_b), \"r\"(1));\n}\n";
   }
   os << R"KFUSE(// One layer of a chain: every K = 16 slice (the next slice's two core matrices are 256 bytes further).
 template <int NT, int KT>

@@ -7,6 +7,7 @@
 // shared tile with cp.async while the chains run, so that no warp waits on DRAM at a row block's start.
 #pragma once
 
+#include <set>
 #include <sstream>
 
 #include "codegen/mlp_layout.h"
@@ -14,9 +15,10 @@
 
 namespace kfuse::codegen {
 
-// Device helpers for wgmma (fence, commit, wait, descriptors, the core-matrix copy) and one MMA function per
-// distinct layer output width of `spec`. Needs the device library before it.
-void write_wgmma_library(std::ostringstream& os, const MlpSpec& spec);
+// Device helpers for wgmma (fence, commit, wait, descriptors, the core-matrix copy, the wgmma backward's tiles) and
+// the MMA functions: `wgmma_mma` (A in registers) for each N in `register_a`, `wgmma_mma_ss` (both operands
+// MN-major in shared memory) for each N in `shared_a`. Needs the device library before it.
+void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& shared_a);
 
 // `template <bool TRAIN> forward_body(const FwdParams&)` of a wgmma variant (the caller declares FwdParams, the
 // activation functors and the kernels that call it).

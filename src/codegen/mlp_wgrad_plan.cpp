@@ -60,6 +60,12 @@ WgradPlan mlp_wgrad_plan(const MlpSpec& s, const MlpVariant& v) {
   }
   p.grad_floats = grad;
   p.partial_stride_floats = (grad + 31) / 32 * 32;
+  // The wgmma backward (codegen/mlp_wgmma_backward.h) keeps every gradient inside with its own budget and shared
+  // memory: only the gradient vector's layout above applies to it.
+  if (v.wgmma_backward) {
+    p.recompute = std::clamp(v.recompute, 0, L - 1);
+    return p;
+  }
   // Weight gradients outside the kernel, widest first, until the accumulators fit (biases always inside).
   while (p.accumulator_floats > kMaxWgradAccumulatorFloats) {
     WgradLayerPlan* widest = nullptr;

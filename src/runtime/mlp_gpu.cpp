@@ -78,7 +78,7 @@ struct ModuleBinary {
   MlpBuildInfo info;
 };
 
-// `arch_specific`: the source uses sm_90a's wgmma (MlpVariant::wgmma), compiled for sm_90a instead of the
+// `arch_specific`: the source uses sm_90a's wgmma (MlpVariant::wgmma, wgmma_backward), compiled for sm_90a instead of the
 // device's portable target.
 ModuleBinary build_binary(const std::string& source, const DeviceInfo& dev, bool arch_specific = false) {
   const auto t_start = Clock::now();
@@ -276,7 +276,10 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
   m.info = fwd.info;
   const std::string bwd_source = codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kBackward);
   const DeviceInfo dev = m.dev;
-  m.backward_binary = std::async(std::launch::async, [bwd_source, dev] { return build_binary(bwd_source, dev); });
+  const bool bwd_sm90a = m.variant.wgmma_backward;
+  m.backward_binary = std::async(std::launch::async, [bwd_source, dev, bwd_sm90a] {
+    return build_binary(bwd_source, dev, bwd_sm90a);
+  });
 }
 
 FusedMlp::~FusedMlp() {

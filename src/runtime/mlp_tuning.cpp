@@ -35,11 +35,12 @@ struct Buffer {
   Buffer& operator=(const Buffer&) = delete;
 };
 
-// The inference forward ignores fused_wgrad and recompute (they change only the backward and the training forward's
+// The inference forward ignores fused_wgrad, recompute and wgmma_backward (they change only the backward and the training forward's
 // stash): candidates that differ only there are one forward candidate.
 MlpVariant forward_tiling(MlpVariant v) {
   v.fused_wgrad = false;
   v.recompute = 0;
+  v.wgmma_backward = false;
   return v;
 }
 std::vector<MlpVariant> forward_candidates(const std::vector<MlpVariant>& all) {

@@ -17,6 +17,7 @@
 #include "codegen/kernel_cache.h"
 #include "codegen/mlp_codegen.h"
 #include "codegen/mlp_layout.h"
+#include "codegen/mlp_wgmma_backward.h"
 #include "codegen/mlp_wgrad_plan.h"
 #include "codegen/nvrtc_compiler.h"
 #include "kfuse/error.h"
@@ -152,6 +153,58 @@ TEST(MlpVariants, NamesAreStable) {
   EXPECT_EQ((MlpVariant{2, 8, true, 64, false, true}).name(), "mt2_w8_resident_wg");
   EXPECT_EQ((MlpVariant{1, 8, true, 64, true, true}).name(), "mt1_w8_resident_fw_wg");
   EXPECT_EQ((MlpVariant{1, 8, true, 64, true, false, 4}).name(), "mt1_w8_resident_fw_rc4");
+  EXPECT_EQ((MlpVariant{1, 8, true, 64, true, true, 4, true}).name(), "mt1_w8_resident_fw_wg_rc4_wgb");
+}
+
+TEST(MlpVariants, WgmmaBackwardPlanAndWhatItNeeds) {
+  const MlpSpec s = make_spec(32, {64, 64, 64, 64}, 16);
+  const MlpVariant v{1, 8, true, 64, true, true, 4, true};
+  EXPECT_NO_THROW(validate_variant(s, v));
+  const codegen::WgmmaBackwardPlan p = codegen::wgmma_backward_plan(s, v);
+  // Layer 0 (32 -> 64): dz^T [x 1], N = 40; the hidden layers: N = 72; the 16-wide output layer transposed
+  // (h^T dz, N = 16) with its bias from 16 / 4 row sums per thread.
+  ASSERT_EQ(p.layers.size(), 5u);
+  EXPECT_FALSE(p.layers[0].transposed);
+  EXPECT_EQ(p.layers[0].n, 40);
+  EXPECT_EQ(p.layers[2].n, 72);
+  EXPECT_TRUE(p.layers[4].transposed);
+  EXPECT_EQ(p.layers[4].n, 16);
+  EXPECT_EQ(p.layers[4].bias_floats, 4);
+  EXPECT_EQ(p.accumulator_floats, 20 + 3 * 36 + 8 + 4);
+  EXPECT_EQ(p.warpgroups, 2);
+  EXPECT_EQ(p.dz_units, 8);
+  EXPECT_EQ(p.x_units, 5);
+  EXPECT_EQ(p.h_units, (std::vector<int>{9, 9, 9, 9}));
+  // Weights (forward of 4 hidden layers, transposed of all 5), then per warpgroup two x, four h and two dz tiles.
+  EXPECT_EQ(p.warpgroup_offset, (64 * 32 + 3 * 64 * 64) * 2 + (64 * 32 + 3 * 64 * 64 + 16 * 64) * 2);
+  EXPECT_EQ(p.warpgroup_bytes, 64 * 16 * (2 * 5 + 4 * 9 + 2 * 8));
+  EXPECT_EQ(mlp_backward_smem_bytes(s, v), size_t(p.warpgroup_offset + 2 * p.warpgroup_bytes));
+  EXPECT_LE(mlp_backward_smem_bytes(s, v), 227u * 1024);
+  // What it needs, named.
+  auto problem = [&](MlpVariant x) { return error_of([&] { validate_variant(s, x); }); };
+  MlpVariant x = v;
+  x.wgmma = false;
+  EXPECT_NE(problem(x).find("needs the wgmma forward"), std::string::npos);
+  x = v;
+  x.recompute = 2;
+  EXPECT_NE(problem(x).find("recomputes every hidden output: recompute must be 4"), std::string::npos);
+  x = v;
+  x.m_tiles = 2;
+  EXPECT_NE(problem(x).find("needs m_tiles = 1"), std::string::npos);
+  x = v;
+  x.fused_wgrad = false;
+  EXPECT_NE(problem(x).find("needs fused weight gradients"), std::string::npos);
+  const MlpSpec w256 = make_spec(32, {256, 256}, 16);
+  EXPECT_NE(error_of([&] { validate_variant(w256, {1, 8, true, 64, true, true, 2, true}); })
+                .find("accumulators need"),
+            std::string::npos);
+  // Candidates: Hopper only, one and two warpgroups at width 64; none at 256.
+  auto count_wgb = [](const std::vector<MlpVariant>& c) {
+    return std::count_if(c.begin(), c.end(), [](const MlpVariant& x) { return x.wgmma_backward; });
+  };
+  EXPECT_EQ(count_wgb(mlp_candidate_variants(s, 227 * 1024)), 0);
+  EXPECT_EQ(count_wgb(mlp_candidate_variants(s, 227 * 1024, true)), 2);
+  EXPECT_EQ(count_wgb(mlp_candidate_variants(make_spec(32, {256, 256, 256, 256}, 16), 227 * 1024, true)), 0);
 }
 
 TEST(MlpVariants, RecomputedActivationsAreNotStashed) {
@@ -417,6 +470,14 @@ std::vector<CompileCase> compile_cases() {
                    "compute_90a"});
   cases.push_back({"wgmma_mixed_bf16_sm90a", mixed, {2, 4, true, 64, false, true}, "compute_90a"});
   cases.push_back({"wgmma_fused_odd_io_bf16_sm90a", odd, {1, 8, true, 64, true, true}, "compute_90a"});
+  // The wgmma backward: the bench's width 64 (a transposed output layer with a bias), and an odd bf16 network with
+  // both orientations, a padded M, a layer without bias and a sigmoid output (its derivative from y).
+  cases.push_back({"wgmma_backward_w64_cubin_sm90a", make_spec(32, {64, 64, 64, 64}, 16),
+                   {1, 8, true, 64, true, true, 4, true}, "sm_90a"});
+  MlpSpec odd_wgb = make_spec(3, {64, 48}, 5, "tanh", MlpDType::kBFloat16);
+  odd_wgb.bias = {true, false, true};
+  odd_wgb.output_activation = builtin_activation("sigmoid");
+  cases.push_back({"wgmma_backward_odd_bf16_sm90a", odd_wgb, {1, 4, true, 64, true, true, 2, true}, "compute_90a"});
   return cases;
 }
 
@@ -432,12 +493,17 @@ TEST_P(MlpSourceCompiles, WithNvrtc) {
   EXPECT_EQ(p.is_cubin, c.arch.rfind("sm_", 0) == 0);
   if (!p.is_cubin) {
     for (const char* k : {"kfuse_mlp_pack", "kfuse_mlp_forward", "kfuse_mlp_forward_train", "kfuse_mlp_backward",
-                          "kfuse_mlp_backward_dx", "mma.sync.aligned.m16n8k16", "ldmatrix"})
+                          "kfuse_mlp_backward_dx", "ldmatrix"})
       EXPECT_NE(p.binary.find(k), std::string::npos) << c.label << " lacks " << k;
-    // Fused weight gradients: the reduction kernel and the transposed operand loads; otherwise neither.
+    // mma.sync everywhere but in a module whose forward and backward are both wgmma.
+    EXPECT_EQ(p.binary.find("mma.sync.aligned.m16n8k16") != std::string::npos, !c.variant.wgmma_backward) << c.label;
+    // Fused weight gradients: the reduction kernel, and the transposed operand loads of the mma.sync backward (the
+    // wgmma backward reads both operands MN-major from shared memory instead: wgmma with both transpose flags).
     EXPECT_EQ(p.binary.find("kfuse_mlp_wgrad_reduce") != std::string::npos, c.variant.fused_wgrad) << c.label;
-    EXPECT_EQ(p.binary.find("ldmatrix.sync.aligned.m8n8.x4.trans") != std::string::npos, c.variant.fused_wgrad)
+    EXPECT_EQ(p.binary.find("ldmatrix.sync.aligned.m8n8.x4.trans") != std::string::npos,
+              c.variant.fused_wgrad && !c.variant.wgmma_backward)
         << c.label;
+    EXPECT_EQ(p.binary.find(", p, 1, 1, 1, 1;") != std::string::npos, c.variant.wgmma_backward) << c.label;
     EXPECT_NE(p.binary.find(c.spec.dtype == MlpDType::kBFloat16 ? ".bf16.bf16" : ".f16.f16"), std::string::npos);
     EXPECT_EQ(p.binary.find("wgmma.mma_async.sync.aligned.m64n") != std::string::npos, c.variant.wgmma) << c.label;
     if (!c.variant.weights_resident) EXPECT_NE(p.binary.find("cp.async"), std::string::npos);

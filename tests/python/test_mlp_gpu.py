@@ -165,6 +165,15 @@ WGMMA_CASES = {
                                     bias=[True, False, True, False], variant=(1, 4, True, 64, False, True)),
     "gelu_mixed_mt2_w4_fw": dict(in_w=19, hidden=[64, 48, 32], out_w=7, act="gelu", dtype=torch.float16, bias=True,
                                  variant=(2, 4, True, 64, True, True)),
+    # The wgmma backward: two warpgroups at the bench's shape; one warpgroup, bf16 tanh; an odd network with both
+    # weight-gradient orientations, a padded M, a layer without bias and a sigmoid output (derivative from y).
+    "w64_wgmma_backward_w8": dict(in_w=32, hidden=[64] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
+                                  variant=(1, 8, True, 64, True, True, 4, True)),
+    "w64_wgmma_backward_w4_tanh_bf16": dict(in_w=32, hidden=[64] * 4, out_w=16, act="tanh", dtype=torch.bfloat16,
+                                            bias=True, variant=(1, 4, True, 64, True, True, 4, True)),
+    "odd_wgmma_backward_bf16": dict(in_w=3, hidden=[64, 48], out_w=5, act="tanh", out_act="sigmoid",
+                                    dtype=torch.bfloat16, bias=[True, False, True],
+                                    variant=(1, 8, True, 64, True, True, 2, True)),
 }
 
 
@@ -173,9 +182,11 @@ def test_wgmma_forward_agrees_with_the_reference(case):
     if not is_hopper():
         pytest.skip("wgmma needs a compute capability 9.0 GPU")
     c = WGMMA_CASES[case]
-    m = make(c["in_w"], c["hidden"], c["out_w"], act=c["act"], dtype=c["dtype"], seed=5, bias=c["bias"])
+    m = make(c["in_w"], c["hidden"], c["out_w"], act=c["act"], out_act=c.get("out_act", "identity"), dtype=c["dtype"],
+             seed=5, bias=c["bias"])
     engine = m.engine(torch.device("cuda", 0), c["dtype"], c["variant"])
     assert "_wg" in engine.build_info["variant"] and engine.build_info["arch"] == "sm_90a"
+    assert engine.build_info["variant"].endswith("_wgb") == (len(c["variant"]) == 8 and c["variant"][7])
     m._engines[(0, c["dtype"], None)] = engine  # forward() and backward use this variant
     for batch in [1, 127, 65539]:
         x = torch.randn(batch, c["in_w"], device="cuda")
@@ -196,9 +207,13 @@ def test_wgmma_variant_needs_hopper():
         m.engine(torch.device("cuda", 0), torch.float16, (1, 4, True, 64, False, True))
 
 
-def test_fused_weight_gradients_are_deterministic():
+@pytest.mark.parametrize("variant", [(1, 8, True, 64, True), (1, 8, True, 64, True, True, 4, True)],
+                         ids=["mma_sync", "wgmma_backward"])
+def test_fused_weight_gradients_are_deterministic(variant):
+    if len(variant) > 5 and not is_hopper():
+        pytest.skip("wgmma needs a compute capability 9.0 GPU")
     m = make(32, [64] * 4, 16, seed=6)
-    engine = m.engine(torch.device("cuda", 0), torch.float16, (1, 8, True, 64, True))
+    engine = m.engine(torch.device("cuda", 0), torch.float16, variant)
     m._engines[(0, torch.float16, None)] = engine
     x = torch.randn(100_003, 32, device="cuda", dtype=torch.float16)
     dy = torch.randn(100_003, 16, device="cuda", dtype=torch.float16)
@@ -218,10 +233,13 @@ def test_default_variant_fuses_weight_gradients_where_they_fit():
         assert m.engine(torch.device("cuda", 0), torch.float16).build_info["variant"].endswith("_fw") == fused
 
 
-@pytest.mark.parametrize("variant", [None, (1, 8, True, 64, True, False, 2)], ids=["default", "recompute2"])
+@pytest.mark.parametrize("variant", [None, (1, 8, True, 64, True, False, 2), (1, 8, True, 64, True, True, 2, True)],
+                         ids=["default", "recompute2", "wgmma_backward"])
 def test_outputs_poisoned_before_the_run_are_overwritten(variant):
     """Outputs and the stash start as NaN: every output is written, and the backward reads only stash arrays its
     forward_train wrote (with recomputed activations, the first layers' arrays stay NaN)."""
+    if variant is not None and len(variant) > 7 and not is_hopper():
+        pytest.skip("wgmma needs a compute capability 9.0 GPU")
     m = make(32, [64, 64], 10, act="tanh")
     dev = torch.device("cuda", 0)
     e = m.engine(dev, torch.float16, variant)

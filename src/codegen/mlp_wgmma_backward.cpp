@@ -1,0 +1,300 @@
+#include "codegen/mlp_wgmma_backward.h"
+
+#include <algorithm>
+
+#include "codegen/mlp_codegen.h"
+
+namespace kfuse::codegen {
+namespace {
+
+int round64(int v) { return (v + 63) / 64 * 64; }
+
+// The cheaper orientation of layer l's weight-gradient MMA (m_tiles = 0: neither fits an MMA's N <= 256).
+WgmmaBackwardLayerPlan layer_plan(const MlpSpec& s, int l) {
+  const int out_p = s.layer_out_padded(l), in_p = s.layer_in_padded(l);
+  WgmmaBackwardLayerPlan normal, transposed;
+  normal.m_tiles = in_p + 8 <= 256 ? round64(out_p) / 64 : 0;
+  normal.n = in_p + 8;
+  transposed.transposed = true;
+  transposed.m_tiles = in_p % 64 == 0 ? in_p / 64 : 0;
+  transposed.n = out_p;
+  transposed.bias_floats = s.has_bias(l) ? out_p / 4 : 0;
+  if (normal.m_tiles == 0) return transposed;
+  if (transposed.m_tiles == 0) return normal;
+  return transposed.accumulator_floats() < normal.accumulator_floats() ? transposed : normal;
+}
+
+std::string cat_ull(int64_t v) { return cat(v, "u"); }
+
+}  // namespace
+
+std::string wgmma_backward_problem(const MlpSpec& s, const MlpVariant& v) {
+  if (!v.wgmma_backward) return "";
+  if (!v.wgmma) return "the wgmma backward needs the wgmma forward (wgmma) as well";
+  if (!v.fused_wgrad) return "the wgmma backward needs fused weight gradients (fused_wgrad)";
+  if (v.m_tiles != 1) return "the wgmma backward needs m_tiles = 1 (one 64-row chain per warpgroup)";
+  if (v.warps % 4 != 0) return "the wgmma backward needs whole warpgroups (warps a multiple of 4)";
+  if (v.recompute != s.num_layers() - 1)
+    return cat("the wgmma backward recomputes every hidden output: recompute must be ", s.num_layers() - 1);
+  int floats = 0;
+  for (int l = 0; l < s.num_layers(); ++l) {
+    const WgmmaBackwardLayerPlan p = layer_plan(s, l);
+    if (p.m_tiles == 0)
+      return cat("layer ", l, "'s weight gradient (", s.layer_out(l), " x ", s.layer_in(l),
+                 ") has no wgmma shape (input width ", s.layer_in_padded(l), " is over 248 and not a multiple of 64)");
+    floats += p.accumulator_floats();
+  }
+  if (floats > kMaxWgmmaWgradAccumulatorFloats)
+    return cat("its weight-gradient accumulators need ", floats, " floats per thread, more than the ",
+               kMaxWgmmaWgradAccumulatorFloats, " that fit beside the chain");
+  return "";
+}
+
+WgmmaBackwardPlan wgmma_backward_plan(const MlpSpec& s, const MlpVariant& v) {
+  WgmmaBackwardPlan p;
+  const int L = s.num_layers();
+  p.warpgroups = std::max(1, v.warps / 4);
+  int64_t at = 0;
+  for (int l = 0; l < L - 1; ++l) {
+    p.fwd_weight_offset.push_back(at);
+    at += int64_t(s.layer_out_padded(l)) * s.layer_in_padded(l) * 2;
+  }
+  for (int l = 0; l < L; ++l) {
+    p.bwd_weight_offset.push_back(at);
+    at += int64_t(s.layer_out_padded(l)) * s.layer_in_padded(l) * 2;
+  }
+  for (int l = 0; l < L; ++l) {
+    p.layers.push_back(layer_plan(s, l));
+    p.accumulator_floats += p.layers.back().accumulator_floats();
+    const WgmmaBackwardLayerPlan& lp = p.layers.back();
+    p.dz_units = std::max(p.dz_units, lp.transposed ? s.layer_out_padded(l) / 8 : lp.m_tiles * 8);
+  }
+  p.warpgroup_offset = (at + 127) / 128 * 128;
+  int64_t wg = 0;
+  p.x_units = s.layer_in_padded(0) / 8 + 1;
+  p.x_tile_offset = wg;
+  p.x_tile_bytes = int64_t(64) * p.x_units * 16;
+  wg += 2 * p.x_tile_bytes;
+  for (int j = 0; j < L - 1; ++j) {
+    p.h_units.push_back(s.layer_out_padded(j) / 8 + 1);
+    p.h_tile_offset.push_back(wg);
+    wg += int64_t(64) * p.h_units.back() * 16;
+  }
+  p.dz_tile_offset = wg;
+  p.dz_tile_bytes = int64_t(64) * p.dz_units * 16;
+  wg += 2 * p.dz_tile_bytes;
+  p.warpgroup_bytes = wg;
+  const WgradPlan wgrad = mlp_wgrad_plan(s, v);
+  p.grad_floats = wgrad.grad_floats;
+  int64_t reduce = p.grad_floats;
+  for (int l = 0; l < L; ++l) {
+    const bool sums = p.layers[l].transposed && s.has_bias(l);
+    p.bias_sum_offset.push_back(sums ? reduce : -1);
+    if (sums) reduce += int64_t(v.warps) * s.layer_out_padded(l);
+  }
+  p.smem_bytes = std::max(p.warpgroup_offset + p.warpgroups * p.warpgroup_bytes, reduce * 4);
+  return p;
+}
+
+void wgmma_backward_widths(const MlpSpec& s, const WgmmaBackwardPlan& plan, std::set<int>& register_a,
+                           std::set<int>& shared_a) {
+  for (int l = 0; l < s.num_layers(); ++l) {
+    if (l < s.num_layers() - 1) register_a.insert(s.layer_out_padded(l));  // the recompute
+    register_a.insert(s.layer_in_padded(l));                                // the chain (layer 0: _dx only)
+    shared_a.insert(plan.layers[l].n);
+  }
+}
+
+void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m,
+                          const WgradPlan& wgrad, bool dx) {
+  const WgmmaBackwardPlan p = wgmma_backward_plan(s, v);
+  const int L = s.num_layers();
+  const int in0 = s.layer_in_padded(0);
+  auto tile = [](const std::string& base, int64_t offset) { return cat("(", base, " + ", offset, "u)"); };
+  const std::string dz_tile[2] = {tile("wgs", p.dz_tile_offset), tile("wgs", p.dz_tile_offset + p.dz_tile_bytes)};
+  auto h_tile = [&](int j) { return tile("wgs", p.h_tile_offset[j]); };
+  // Layer l's input tile (its weight gradient's h operand): x or the recomputed output of layer l - 1.
+  auto input_tile = [&](int l) { return l == 0 ? std::string("xt") : h_tile(l - 1); };
+  auto input_units = [&](int l) { return l == 0 ? p.x_units : p.h_units[l - 1]; };
+  auto x_copy_into = [&](const std::string& buffer, const std::string& blk) {
+    return cat("copy_rows_zero_fill<16, ", s.input_width, ", ", in0, ", 0, 32, ", p.x_units, ">(", buffer,
+               " + (wr >> 3) * ", p.x_units * 128, "u, p.x, ", blk, " * ROWS + wg * 64 + wr, p.batch, lane);");
+  };
+
+  const std::string name = dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward";
+  os << "extern \"C\" __global__ void __launch_bounds__(THREADS) " << name << "(BwdParams p) {\n"
+     << "  extern __shared__ __align__(128) unsigned char kfuse_smem[];\n"
+     << "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3, wg = warp >> 2;\n"
+     << "  const int wr = (warp & 3) * 16;  // the warp's first row of its warpgroup's 64\n"
+     << "  const u32 smem = smem_addr(kfuse_smem);\n"
+     << "  // the packed buffer: the forward region precedes p.w (the backward region), the biases follow it\n"
+     << "  const u16* fwd_w = reinterpret_cast<const u16*>(reinterpret_cast<const unsigned char*>(p.w) - "
+     << m.bwd_region_byte_offset << ");\n"
+     << "  const float* fwd_bias = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(p.w) + "
+     << m.bias_byte_offset - m.bwd_region_byte_offset << ");\n"
+     << "  // resident weights -> core matrices: the hidden layers' forward, the chain's transposed\n";
+  for (int l = 0; l < L - 1; ++l)
+    os << "  copy_core_matrices<" << s.layer_out_padded(l) << ", " << s.layer_in_padded(l) << ", "
+       << s.layer_in_padded(l) + 8 << ", THREADS>(smem + " << cat_ull(p.fwd_weight_offset[l]) << ", fwd_w + "
+       << m.fwd_weight_offset[l] << ");\n";
+  const int last_dgrad = dx ? 0 : 1;
+  for (int l = L - 1; l >= last_dgrad; --l)
+    os << "  copy_core_matrices<" << s.layer_in_padded(l) << ", " << s.layer_out_padded(l) << ", "
+       << s.layer_out_padded(l) + 8 << ", THREADS>(smem + " << cat_ull(p.bwd_weight_offset[l]) << ", p.w + "
+       << m.bwd_weight_offset[l] << ");\n";
+  for (int l = 0; l < L - 1; ++l)
+    os << "  const unsigned long long fdesc" << l << " = wgmma_desc(smem + " << cat_ull(p.fwd_weight_offset[l])
+       << ", " << s.layer_in_padded(l) << ");\n";
+  for (int l = L - 1; l >= last_dgrad; --l)
+    os << "  const unsigned long long bdesc" << l << " = wgmma_desc(smem + " << cat_ull(p.bwd_weight_offset[l])
+       << ", " << s.layer_out_padded(l) << ");\n";
+  os << "  const u32 wgs = smem + " << cat_ull(p.warpgroup_offset) << " + wg * " << cat_ull(p.warpgroup_bytes)
+     << ";  // this warpgroup's tiles\n"
+     << "  const u32 xt0 = " << tile("wgs", p.x_tile_offset) << ";\n"
+     << "  // the ones units of the input tiles (their weight-gradient columns are the bias gradients), once\n"
+     << "  fill_unit_column<" << p.x_units << ">(xt0, " << p.x_units - 1 << ", threadIdx.x & 127);\n"
+     << "  fill_unit_column<" << p.x_units << ">(xt0 + " << cat_ull(p.x_tile_bytes) << ", " << p.x_units - 1
+     << ", threadIdx.x & 127);\n";
+  for (int j = 0; j < L - 1; ++j)
+    os << "  fill_unit_column<" << p.h_units[j] << ">(" << h_tile(j) << ", " << p.h_units[j] - 1
+       << ", threadIdx.x & 127);\n";
+  os << "  if (blockIdx.x < p.num_blocks) " << x_copy_into("xt0", "(i64)blockIdx.x") << "\n"
+     << "  cp_async_commit();\n  cp_async_wait_all();\n  fence_async_shared();\n  __syncthreads();\n";
+  // The weight-gradient accumulators and bias sums, for the CTA's life.
+  for (int l = 0; l < L; ++l) {
+    const WgmmaBackwardLayerPlan& lp = p.layers[l];
+    for (int t = 0; t < lp.m_tiles; ++t)
+      os << "  float wa" << l << "_" << t << "[1][" << lp.n / 8 << "][4];\n  zero_acc(wa" << l << "_" << t << ");\n";
+    if (lp.bias_floats) os << "  float bs" << l << "[" << s.layer_out_padded(l) / 8 << "][2] = {};\n";
+  }
+  os << "  u32 xb = 0;\n"
+     << "  for (i64 blk = blockIdx.x; blk < p.num_blocks; blk += gridDim.x) {\n"
+     << "    const i64 row = blk * ROWS + wg * 64 + wr + (lane >> 2);\n"
+     << "    const u32 xt = xt0 + xb * " << cat_ull(p.x_tile_bytes) << ";\n"
+     << "    cp_async_wait_all();\n    __syncwarp();  // this row block's x rows (the warp's own)\n"
+     << "    // the next row block's x into the other buffer (its last reader, the previous block's layer-0 weight\n"
+     << "    // gradient, completed at that block's end)\n"
+     << "    if (blk + gridDim.x < p.num_blocks) " << x_copy_into(cat("(xt0 + (xb ^ 1u) * ", p.x_tile_bytes, "u)"),
+                                                                 "(blk + gridDim.x)")
+     << "\n    cp_async_commit();\n";
+
+  // 1. The recompute: the wgmma forward's chain over the hidden layers, each output into its tile.
+  os << "    u32 ra0[1][" << in0 / 16 << "][4];\n"
+     << "    load_a_units<" << p.x_units << ">(ra0, xt, wr, lane);\n";
+  for (int l = 0; l < L - 1; ++l) {
+    const int n = s.layer_out_padded(l);
+    const std::string acc = cat("rz", l), a = cat("ra", l);
+    os << "    // recompute layer " << l << " (" << s.layer_in(l) << " -> " << s.layer_out(l) << ", "
+       << s.layer_activation(l).name << ")\n"
+       << "    float " << acc << "[1][" << n / 8 << "][4];\n"
+       << "    init_acc<" << (s.has_bias(l) ? "true" : "false") << ">(" << acc << ", fwd_bias + " << m.bias_offset[l]
+       << ", q);\n"
+       << "    wgmma_fence();\n    wgmma_layer(" << acc << ", " << a << ", fdesc" << l << ");\n"
+       << "    wgmma_commit();\n    wgmma_wait<0>();\n    wgmma_fence_acc(" << acc << ");\n";
+    if (!s.layer_activation(l).is_identity())
+      os << "    apply_act<" << activation_struct_name(l) << ">(" << acc << ");\n";
+    os << "    u32 ra" << l + 1 << "[1][" << n / 16 << "][4];\n"
+       << "    to_a(" << acc << ", ra" << l + 1 << ");\n"
+       << "    store_a_units<" << p.h_units[l] << ">(" << h_tile(l) << ", ra" << l + 1 << ", wr, lane);\n";
+  }
+
+  // 2. The chain.
+  const int out_nt = s.layer_out_padded(L - 1) / 8;
+  os << "    float g" << L - 1 << "[1][" << out_nt << "][4];\n"
+     << "    load_c<" << s.output_width << ", " << s.output_width << ">(g" << L - 1 << ", p.dy, row, p.batch, q);\n";
+  for (int l = L - 1; l >= 0; --l) {
+    const WgmmaBackwardLayerPlan& lp = p.layers[l];
+    const int n = s.layer_out_padded(l), k = s.layer_in_padded(l);
+    const std::string g = cat("g", l), d = cat("d", l);
+    const Activation& act = s.layer_activation(l);
+    os << "    // layer " << l << " (" << s.layer_in(l) << " -> " << s.layer_out(l) << ", " << act.name
+       << "): dz = dL/dh * f'\n";
+    if (!act.is_identity()) {
+      if (m.stash_z_offset[l] >= 0) {  // only the output layer's can be (the hidden ones are recomputed)
+        os << "    {\n      float t[1][" << n / 8 << "][4];\n      load_c<" << n << ", " << n << ">(t, p.stash + "
+           << m.stash_z_offset[l] << " * p.batch, row, p.batch, q);\n      dact_from_x<"
+           << activation_struct_name(l) << ">(" << g << ", t);\n    }\n";
+      } else if (act.derivative_uses_y()) {
+        os << "    {\n      float t[1][" << n / 8 << "][4];\n";
+        if (l == L - 1)
+          os << "      load_c<" << s.output_width << ", " << s.output_width << ">(t, p.y, row, p.batch, q);\n";
+        else
+          os << "      load_c_units<" << p.h_units[l] << ">(t, " << h_tile(l) << ", wr, lane);\n";
+        os << "      dact_from_y<" << activation_struct_name(l) << ">(" << g << ", t);\n    }\n";
+      } else {
+        os << "    dact_const<" << activation_struct_name(l) << ">(" << g << ");\n";
+      }
+      if (l == L - 1 && s.output_width % 16 != 0) os << "    mask_columns<" << s.output_width << ">(" << g << ", q);\n";
+    }
+    if (lp.bias_floats) os << "    add_row_sums(bs" << l << ", " << g << ");\n";
+    os << "    u32 " << d << "[1][" << n / 16 << "][4];\n    to_a(" << g << ", " << d << ");\n"
+       << "    store_a_units<" << p.dz_units << ">(" << dz_tile[l % 2] << ", " << d << ", wr, lane);\n";
+    if (!lp.transposed && n < lp.m_tiles * 64)
+      os << "    zero_units<" << p.dz_units << ", " << n / 8 << ", " << lp.m_tiles * 8 << ">(" << dz_tile[l % 2]
+         << ", wr, lane);  // M padding\n";
+    os << "    fence_async_shared();\n"
+       << "    warpgroup_barrier(wg);  // the warpgroup's dz rows in place for the weight gradient\n";
+    const bool chain_goes_on = l > 0 || dx;
+    const std::string next = l > 0 ? cat("g", l - 1) : std::string("gx");
+    if (chain_goes_on)
+      os << "    float " << next << "[1][" << k / 8 << "][4];\n    zero_acc(" << next << ");\n"
+         << "    wgmma_fence();\n    wgmma_layer(" << next << ", " << d << ", bdesc" << l << ");\n"
+         << "    wgmma_commit();\n";
+    else
+      os << "    wgmma_fence();\n";
+    // The weight gradient: A and B descriptors of each 16-row k-step and M tile.
+    const std::string in_tile = input_tile(l);
+    const int in_units = input_units(l);
+    const std::string a_tile = lp.transposed ? in_tile : dz_tile[l % 2];
+    const std::string b_tile = lp.transposed ? dz_tile[l % 2] : in_tile;
+    const int a_units = lp.transposed ? in_units : p.dz_units, b_units = lp.transposed ? p.dz_units : in_units;
+    os << "    {\n      const unsigned long long da = wgmma_desc_mn<" << a_units << ">(" << a_tile
+       << "), db = wgmma_desc_mn<" << b_units << ">(" << b_tile << ");\n"
+       << "#pragma unroll\n      for (int ks = 0; ks < 4; ++ks) {\n";
+    for (int t = 0; t < lp.m_tiles; ++t)
+      os << "        wgmma_mma_ss(wa" << l << "_" << t << ", da + " << t * 64 << "ull + ks * " << 16 * a_units
+         << "ull, db + ks * " << 16 * b_units << "ull);\n";
+    os << "      }\n    }\n    wgmma_commit();\n";
+    if (chain_goes_on) {
+      os << "    wgmma_wait<1>();  // the data gradient; the weight gradient runs on\n"
+         << "    wgmma_fence_acc(" << next << ");\n";
+    }
+    if (l == 0 && dx)
+      os << "    store_c<" << s.input_width << ", " << s.input_width << ">(gx, p.dx, row, p.batch, q);\n";
+  }
+  os << "    wgmma_wait<0>();\n    xb ^= 1u;\n  }\n";
+
+  // 3. The CTA's partial gradients: the warpgroups add theirs in order into shared memory.
+  os << "  cp_async_wait_all();\n"
+     << "  __syncthreads();  // tiles and weights dead: the sums reuse shared memory\n"
+     << "  float* red = reinterpret_cast<float*>(kfuse_smem);\n"
+     << "  for (int i = threadIdx.x; i < " << p.grad_floats << "; i += THREADS) red[i] = 0.0f;\n"
+     << "  __syncthreads();\n"
+     << "  for (int w = 0; w < " << p.warpgroups << "; ++w) {\n"
+     << "    if (wg == w) {\n";
+  for (int l = 0; l < L; ++l) {
+    const WgmmaBackwardLayerPlan& lp = p.layers[l];
+    const int64_t bias_at = wgrad.grad_bias_offset[l];
+    for (int t = 0; t < lp.m_tiles; ++t)
+      os << "      add_wgrad<" << (lp.transposed ? "true" : "false") << ", "
+         << (!lp.transposed && s.has_bias(l) ? "true" : "false") << ", " << s.layer_out(l) << ", " << s.layer_in(l)
+         << ", " << s.layer_in_padded(l) << ", " << t * 64 << ">(wa" << l << "_" << t << ", red + "
+         << wgrad.grad_weight_offset[l] << ", red + " << (bias_at >= 0 ? bias_at : 0) << ", warp & 3, lane);\n";
+  }
+  os << "    }\n    __syncthreads();\n  }\n";
+  for (int l = 0; l < L; ++l)
+    if (p.bias_sum_offset[l] >= 0)
+      os << "  store_row_sums<" << s.layer_out_padded(l) << ">(bs" << l << ", red + " << p.bias_sum_offset[l]
+         << ", warp, lane);\n";
+  os << "  __syncthreads();\n";
+  for (int l = 0; l < L; ++l)
+    if (p.bias_sum_offset[l] >= 0)
+      os << "  sum_bias_partials<" << s.layer_out(l) << ", " << s.layer_out_padded(l) << ", WARPS, THREADS>(red + "
+         << p.bias_sum_offset[l] << ", red + " << wgrad.grad_bias_offset[l] << ");\n";
+  os << "  __syncthreads();\n"
+     << "  float* partial = p.partials + (i64)blockIdx.x * " << wgrad.partial_stride_floats << ";\n"
+     << "  for (int i = threadIdx.x; i < " << p.grad_floats << "; i += THREADS) partial[i] = red[i];\n"
+     << "}\n\n";
+}
+
+}  // namespace kfuse::codegen
