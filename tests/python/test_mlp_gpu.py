@@ -408,9 +408,10 @@ def test_tune_chooses_checked_variants_and_caches_them(tmp_path, monkeypatch, ac
         assert not any(c["rejected"] for c in r["candidates"]), r  # every variant computes the same MLP
         assert r["choice"] in [c["name"] for c in r["candidates"]], r
     fwd, bwd = m.variants()
-    assert len(fwd) == 7 and len(bwd) == 7  # (m_tiles, warps, weights_resident, k_chunk, fused_wgrad, wgmma, recompute)
-    # The forward ignores fused_wgrad and recompute: its candidates are listed without them.
-    assert fwd[4] is False and fwd[6] == 0
+    # (m_tiles, warps, weights_resident, k_chunk, fused_wgrad, wgmma, recompute, wgmma_backward)
+    assert len(fwd) == 8 and len(bwd) == 8
+    # The forward ignores fused_wgrad, recompute and wgmma_backward: its candidates are listed without them.
+    assert fwd[4] is False and fwd[6] == 0 and fwd[7] is False
     assert not any("_rc" in c["name"] for c in rows[0]["candidates"]), rows[0]["candidates"]
     assert any("_rc" in c["name"] for c in rows[1]["candidates"]) == (act == "relu"), rows[1]["candidates"]
     wgmma_candidates = [c["name"] for c in rows[0]["candidates"] if c["name"].endswith("_wg")]
