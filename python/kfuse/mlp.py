@@ -128,7 +128,13 @@ def _activation_of_module(m: nn.Module, index: int) -> Activation:
                      f"Tanh, SiLU, GELU(approximate='tanh'), Softplus or Identity between them")
 
 
+# The raw handle of the current stream without making a torch.cuda.Stream object (a few us per call on the hot path).
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _cuda_stream(device: torch.device) -> int:
+    if _current_raw_stream is not None and device.index is not None:
+        return _current_raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -136,23 +142,27 @@ class _FusedFunction(torch.autograd.Function):
     """Forward (training forward when gradients are wanted) and backward of the generated kernels. Parameters pass
     as inputs so that autograd routes their gradients; the kernels read them from the packed buffer."""
 
+    # The engines are called with device pointers (the *_raw methods): every buffer is made here or checked by
+    # FusedMLP.forward (contiguous, the compute dtype, 16-byte aligned, on the parameters' device), and autograd hands
+    # backward a dy of y's shape and device.
     @staticmethod
     def forward(ctx, engine, bwd_engine, packed, train, out_width, x, *params):
         batch = x.shape[0]
-        y = torch.empty(batch, out_width, dtype=x.dtype, device=x.device)
+        y = torch.empty((batch, out_width), dtype=x.dtype, device=x.device)
         stream = _cuda_stream(x.device)
         if train:
             # The training variant's stash-writing forward and backward (tuned together as one training step; with
             # recomputed activations its forward leaves part of the stash unwritten, so the backward must be the
             # same engine's); inference may use another variant: weights and y are laid out the same for all.
             stash = torch.empty(max(bwd_engine.stash_bytes(batch), 16), dtype=torch.uint8, device=x.device)
-            bwd_engine.forward_train(packed, x, y, stash, stream)
+            bwd_engine.forward_train_raw(packed.data_ptr(), x.data_ptr(), y.data_ptr(), stash.data_ptr(), batch,
+                                         stream)
             ctx.engine = bwd_engine
             ctx.param_shapes = [p.shape for p in params]
             ctx.param_dtype = params[0].dtype
             ctx.save_for_backward(x, y, stash, packed)
         else:
-            engine.forward(packed, x, y, stream)
+            engine.forward_raw(packed.data_ptr(), x.data_ptr(), y.data_ptr(), batch, stream)
         return y
 
     @staticmethod
@@ -161,13 +171,18 @@ class _FusedFunction(torch.autograd.Function):
         x, y, stash, packed = ctx.saved_tensors
         engine = ctx.engine
         batch = x.shape[0]
-        dy = dy.to(x.dtype).contiguous()
+        if dy.dtype != x.dtype:
+            dy = dy.to(x.dtype)
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
         if dy.data_ptr() % 16:
             dy = dy.clone()
         workspace = torch.empty(engine.backward_workspace_bytes(batch), dtype=torch.uint8, device=x.device)
         grads = torch.empty(engine.num_parameters, dtype=torch.float32, device=x.device)
         dx = torch.empty_like(x) if ctx.needs_input_grad[5] else None
-        engine.backward(packed, x, y, dy, stash, workspace, grads, dx, _cuda_stream(x.device))
+        engine.backward_raw(packed.data_ptr(), x.data_ptr(), y.data_ptr(), dy.data_ptr(), stash.data_ptr(),
+                            workspace.data_ptr(), grads.data_ptr(), 0 if dx is None else dx.data_ptr(), batch,
+                            _cuda_stream(x.device))
         if ctx.param_dtype != torch.float32:
             grads = grads.to(ctx.param_dtype)
         sizes = [math.prod(s) for s in ctx.param_shapes]

@@ -96,6 +96,7 @@ int64_t batch_of(const FusedMlp& mlp, const Array& x) {
 }
 
 FusedMlp::Stream as_stream(uintptr_t s) { return reinterpret_cast<FusedMlp::Stream>(s); }
+void* raw(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
 // (m_tiles, warps, weights_resident, k_chunk[, fused_wgrad[, wgmma[, recompute[, wgmma_backward]]]]): MlpVariant's
 // fields in order.
@@ -277,6 +278,30 @@ void bind_mlp(nb::module_& m) {
              nb::gil_scoped_release release;
              f.backward(pk, xp, yp, dyp, st, ws, g, dxp, n, as_stream(stream));
            },
-           "packed"_a, "x"_a, "y"_a, "dy"_a, "stash"_a, "workspace"_a, "grads"_a, "dx"_a.none(), "stream"_a);
+           "packed"_a, "x"_a, "y"_a, "dy"_a, "stash"_a, "workspace"_a, "grads"_a, "dx"_a.none(), "stream"_a)
+      // The module's hot path (kfuse.FusedMLP, which made or checked every buffer itself: dtype, shape, contiguity,
+      // device): device pointers instead of tensors, so that a training step exchanges no DLPack capsules (a dozen
+      // per step cost ~0.1 ms of host time, PERF.md). FusedMlp still checks batch, alignment and null pointers.
+      .def("forward_raw",
+           [](const FusedMlp& f, uintptr_t packed, uintptr_t x, uintptr_t y, int64_t batch, uintptr_t stream) {
+             nb::gil_scoped_release release;
+             f.forward(raw(packed), raw(x), raw(y), batch, as_stream(stream));
+           },
+           "packed"_a, "x"_a, "y"_a, "batch"_a, "stream"_a)
+      .def("forward_train_raw",
+           [](const FusedMlp& f, uintptr_t packed, uintptr_t x, uintptr_t y, uintptr_t stash, int64_t batch,
+              uintptr_t stream) {
+             nb::gil_scoped_release release;
+             f.forward_train(raw(packed), raw(x), raw(y), raw(stash), batch, as_stream(stream));
+           },
+           "packed"_a, "x"_a, "y"_a, "stash"_a, "batch"_a, "stream"_a)
+      .def("backward_raw",
+           [](const FusedMlp& f, uintptr_t packed, uintptr_t x, uintptr_t y, uintptr_t dy, uintptr_t stash,
+              uintptr_t workspace, uintptr_t grads, uintptr_t dx, int64_t batch, uintptr_t stream) {
+             nb::gil_scoped_release release;
+             f.backward(raw(packed), raw(x), raw(y), raw(dy), raw(stash), raw(workspace),
+                        static_cast<float*>(raw(grads)), raw(dx), batch, as_stream(stream));
+           },
+           "packed"_a, "x"_a, "y"_a, "dy"_a, "stash"_a, "workspace"_a, "grads"_a, "dx"_a, "batch"_a, "stream"_a);
 #endif
 }
