@@ -158,15 +158,7 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   if (v.wgmma) {
     os << kFwdParams;
     write_wgmma_forward_body(os, s, v, m);
-    if (!wgmma_split_chain(s, v)) {
-      write_forward_kernels(os);
-      return;
-    }
-    write_wgmma_split_forward_body(os, s, v, m);
-    os << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward(FwdParams p) { "
-          "forward_body_split(p); }\n"
-       << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward_train(FwdParams p) { "
-       << (wgmma_split_chain_train(s, v, m) ? "forward_body_split(p)" : "forward_body<true>(p)") << "; }\n\n";
+    write_forward_kernels(os);
     return;
   }
   const int L = s.num_layers();
@@ -499,10 +491,7 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
   // sm_90a only: the wgmma forward's part, and the backward part of a wgmma-backward variant.
   std::set<int> register_a, shared_a;
   if (fwd && variant.wgmma)
-    for (int l = 0; l < spec.num_layers(); ++l) {
-      register_a.insert(spec.layer_out_padded(l));
-      if (wgmma_split_chain(spec, variant) && l + 1 < spec.num_layers()) register_a.insert(spec.layer_out_padded(l) / 2);
-    }
+    for (int l = 0; l < spec.num_layers(); ++l) register_a.insert(spec.layer_out_padded(l));
   if (bwd && variant.wgmma_backward) wgmma_backward_widths(spec, wgmma_backward_plan(spec, variant), register_a, shared_a);
   if (!register_a.empty() || !shared_a.empty()) write_wgmma_library(os, register_a, shared_a);
   os << "constexpr int MT = " << variant.m_tiles << ";\n"

@@ -1,9 +1,7 @@
 #include "codegen/mlp_wgmma_forward.h"
 
-#include <cstdlib>
 #include <set>
 #include <string>
-#include <vector>
 
 #include "codegen/mlp_codegen.h"
 
@@ -283,112 +281,6 @@ void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const Ml
     }
   }
   os << "  }\n}\n";
-}
-
-bool wgmma_split_chain(const MlpSpec& s, const MlpVariant& v) {
-  const char* env = std::getenv("KFUSE_MLP_SPLIT_CHAIN");
-  if (env && std::string(env) == "0") return false;
-  if (!v.wgmma || v.m_tiles != 1) return false;
-  for (int l = 0; l + 1 < s.num_layers(); ++l)
-    if (s.layer_out_padded(l) % 32 != 0) return false;
-  return true;
-}
-
-bool wgmma_split_chain_train(const MlpSpec& s, const MlpVariant& v, const MlpLayout& m) {
-  if (!wgmma_split_chain(s, v)) return false;
-  for (int l = 0; l < s.num_layers(); ++l)
-    if (m.stash_z_offset[l] >= 0 || (l + 1 < s.num_layers() && l >= v.recompute)) return false;
-  return true;
-}
-
-void write_wgmma_split_forward_body(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v,
-                                    const MlpLayout& m) {
-  const int L = s.num_layers();
-  const WgmmaForwardLayout w = wgmma_forward_layout(s, v);
-  const int in_p = s.layer_in_padded(0);
-  const std::string x_copy = cat("copy_rows_zero_fill<16, ", s.input_width, ", ", in_p, ", ", w.x_tile_ld, ", 32>(xtile, p.x, ");
-  // Layer l's accumulators: two halves of its columns for the hidden layers, one array for the output layer.
-  auto split = [&](int l) { return l + 1 < L; };
-  auto acc = [](int l, char h) { return cat("acc", l, h); };
-  auto declare = [&](int l) {
-    const int n = s.layer_out_padded(l);
-    const std::string b = s.has_bias(l) ? "true" : "false";
-    if (split(l)) {
-      for (char h : {'a', 'b'})
-        os << "    float " << acc(l, h) << "[1][" << n / 16 << "][4];\n    init_acc<" << b << ">(" << acc(l, h)
-           << ", p.bias + " << m.bias_offset[l] + (h == 'b' ? n / 2 : 0) << ", q);\n";
-    } else {
-      os << "    float " << acc(l, 'o') << "[1][" << n / 8 << "][4];\n    init_acc<" << b << ">(" << acc(l, 'o')
-         << ", p.bias + " << m.bias_offset[l] << ", q);\n";
-    }
-  };
-  // The descriptor of layer l's weights from output row `row0` and k-slice `kt0` (16-byte units: 8 rows are
-  // in_padded * 16 bytes, a k-slice 256 bytes).
-  auto desc = [&](int l, int row0, int kt0) {
-    return cat("desc", l, " + ", int64_t(row0) / 8 * s.layer_in_padded(l) + kt0 * 16, "ull");
-  };
-  // Issues layer l's MMAs over the k-slices of A fragments `a` (from k-slice kt0) into the accumulators `halves`
-  // ('a', 'b' or 'o'), one commit group per entry of `groups`.
-  auto issue = [&](int l, const std::string& a, int kt0, const std::vector<std::string>& groups) {
-    const int n = s.layer_out_padded(l);
-    os << "    wgmma_fence();\n";
-    for (const std::string& g : groups) {
-      for (char h : g) {
-        const int row0 = h == 'b' ? n / 2 : 0;
-        os << "    wgmma_layer(" << acc(l, h) << ", " << a << ", " << desc(l, row0, kt0) << ");\n";
-      }
-      os << "    wgmma_commit();\n";
-    }
-  };
-
-  os << "__device__ __forceinline__ void forward_body_split(const FwdParams& p) {\n"
-     << "  extern __shared__ __align__(128) unsigned char kfuse_smem[];\n"
-     << "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;\n"
-     << "  const u32 smem = smem_addr(kfuse_smem);\n";
-  for (int l = 0; l < L; ++l)
-    os << "  copy_core_matrices<" << s.layer_out_padded(l) << ", " << s.layer_in_padded(l) << ", "
-       << s.layer_in_padded(l) + 8 << ", THREADS>(smem + " << w.weight_offset[l] << "u, p.w + "
-       << m.fwd_weight_offset[l] << ");\n";
-  for (int l = 0; l < L; ++l)
-    os << "  const unsigned long long desc" << l << " = wgmma_desc(smem + " << w.weight_offset[l] << "u, "
-       << s.layer_in_padded(l) << ");\n";
-  os << "  const u32 xtile = smem + " << w.x_tile_offset << "u + warp * " << w.x_tile_bytes_per_warp << "u;\n"
-     << "  if (blockIdx.x < p.num_blocks) " << x_copy << "blockIdx.x * ROWS + warp * 16, p.batch, lane);\n"
-     << "  cp_async_commit();\n  cp_async_wait_all();\n  __syncthreads();\n"
-     << "  for (i64 blk = blockIdx.x; blk < p.num_blocks; blk += gridDim.x) {\n"
-     << "    const i64 row = blk * ROWS + warp * 16 + (lane >> 2);\n";
-  declare(0);
-  os << "    cp_async_wait_all();\n    __syncwarp();\n"
-     << "    u32 a0[1][" << in_p / 16 << "][4];\n    load_a_tile<" << w.x_tile_ld << ">(a0, xtile, lane);\n"
-     << "    __syncwarp();\n"
-     << "    if (blk + gridDim.x < p.num_blocks) " << x_copy << "(blk + gridDim.x) * ROWS + warp * 16, p.batch, lane);\n"
-     << "    cp_async_commit();\n";
-  issue(0, "a0", 0, {"a", "b"});
-  for (int l = 0; l + 1 < L; ++l) {
-    const int n = s.layer_out_padded(l), kh = n / 32;  // k-slices per half of the next layer's input
-    const Activation& act = s.layer_activation(l);
-    const bool next_split = split(l + 1);
-    os << "    // layer " << l << " (" << s.layer_in(l) << " -> " << s.layer_out(l) << ", " << act.name
-       << "): its first half of columns feeds the next layer's first k-slices while its second half is multiplied\n";
-    declare(l + 1);
-    for (char h : {'a', 'b'}) {
-      const std::string a = cat("a", l + 1, h);
-      os << "    wgmma_wait<1>();\n    wgmma_fence_acc(" << acc(l, h) << ");\n";
-      if (!act.is_identity()) os << "    apply_act<" << activation_struct_name(l) << ">(" << acc(l, h) << ");\n";
-      os << "    u32 " << a << "[1][" << kh << "][4];\n    to_a(" << acc(l, h) << ", " << a << ");\n";
-      if (h == 'a')
-        issue(l + 1, a, 0, {next_split ? "ab" : "o"});
-      else
-        issue(l + 1, a, kh, next_split ? std::vector<std::string>{"a", "b"} : std::vector<std::string>{"o"});
-    }
-  }
-  const Activation& out_act = s.layer_activation(L - 1);
-  os << "    // layer " << L - 1 << " (" << s.layer_in(L - 1) << " -> " << s.layer_out(L - 1) << ", " << out_act.name
-     << ")\n    wgmma_wait<0>();\n    wgmma_fence_acc(" << acc(L - 1, 'o') << ");\n";
-  if (!out_act.is_identity())
-    os << "    apply_act<" << activation_struct_name(L - 1) << ">(" << acc(L - 1, 'o') << ");\n";
-  os << "    store_c<" << s.output_width << ", " << s.output_width << ">(" << acc(L - 1, 'o')
-     << ", p.y, row, p.batch, q);\n  }\n}\n";
 }
 
 }  // namespace kfuse::codegen

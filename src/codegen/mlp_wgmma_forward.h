@@ -24,16 +24,4 @@ void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a
 // activation functors and the kernels that call it).
 void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& spec, const MlpVariant& v, const MlpLayout& m);
 
-// The split chain (m_tiles 1, every hidden width a multiple of 32): each hidden layer's MMAs are two commit groups,
-// one per half of its output columns. The activation of the first half and the next layer's MMAs over its k-slices
-// run while the tensor cores still multiply the second half, so that a warpgroup's chain waits for half a layer
-// at a time. KFUSE_MLP_SPLIT_CHAIN=0 turns it off (the A/B switch of PERF.md).
-bool wgmma_split_chain(const MlpSpec& spec, const MlpVariant& v);
-// Whether the training forward takes it too: only where it writes no stash (every hidden output recomputed, no
-// pre-activation kept).
-bool wgmma_split_chain_train(const MlpSpec& spec, const MlpVariant& v, const MlpLayout& m);
-// `forward_body_split(const FwdParams&)`: the inference forward (and the training forward that writes no stash).
-void write_wgmma_split_forward_body(std::ostringstream& os, const MlpSpec& spec, const MlpVariant& v,
-                                    const MlpLayout& m);
-
 }  // namespace kfuse::codegen
