@@ -158,15 +158,7 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   if (v.wgmma) {
     os << kFwdParams;
     write_wgmma_forward_body(os, s, v, m);
-    if (!wgmma_rows_as_n(s, v)) {
-      write_forward_kernels(os);
-      return;
-    }
-    write_wgmma_rows_as_n_body(os, s, v, m);
-    os << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward(FwdParams p) { "
-          "forward_body_rows(p); }\n"
-       << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward_train(FwdParams p) { "
-          "forward_body<true>(p); }\n\n";
+    write_forward_kernels(os);
     return;
   }
   const int L = s.num_layers();
@@ -501,9 +493,7 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
   if (fwd && variant.wgmma)
     for (int l = 0; l < spec.num_layers(); ++l) register_a.insert(spec.layer_out_padded(l));
   if (bwd && variant.wgmma_backward) wgmma_backward_widths(spec, wgmma_backward_plan(spec, variant), register_a, shared_a);
-  std::set<int> shared_kk;
-  if (fwd && wgmma_rows_as_n(spec, variant)) shared_kk.insert(128);
-  if (!register_a.empty() || !shared_a.empty()) write_wgmma_library(os, register_a, shared_a, shared_kk);
+  if (!register_a.empty() || !shared_a.empty()) write_wgmma_library(os, register_a, shared_a);
   os << "constexpr int MT = " << variant.m_tiles << ";\n"
      << "constexpr int WARPS = " << variant.warps << ";\n"
      << "constexpr int THREADS = WARPS * 32;\n"

@@ -6,7 +6,6 @@
 
 #include "codegen/mlp_layout.h"
 #include "codegen/mlp_wgmma_backward.h"
-#include "codegen/mlp_wgmma_forward.h"
 #include "codegen/mlp_wgrad_plan.h"
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
@@ -134,9 +133,7 @@ std::string MlpVariant::name() const {
 // Shared-memory rows are padded by 8 halves (16 bytes) so that ldmatrix's eight row addresses fall into distinct
 // bank groups (row strides of 16 * odd bytes).
 size_t mlp_forward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
-  if (v.wgmma)  // the rows-as-N inference forward beside the chain's training forward
-    return static_cast<size_t>(std::max(codegen::wgmma_forward_layout(s, v).smem_bytes,
-                                        codegen::wgmma_rows_as_n(s, v) ? codegen::wgmma_rows_as_n_smem(s, v) : 0));
+  if (v.wgmma) return static_cast<size_t>(codegen::wgmma_forward_layout(s, v).smem_bytes);
   size_t total = 0, chunk = 0;
   for (int l = 0; l < s.num_layers(); ++l) {
     const size_t n = s.layer_out_padded(l), k = s.layer_in_padded(l);
@@ -230,9 +227,9 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
       for (int warps : {4, 8, 16}) {
         MlpVariant v{mt, warps, true, 64};
         v.wgmma = true;
-        if (warps == 16 && ((mt == 2 && !codegen::wgmma_rows_as_n(spec, v)) || max_width(spec) > 64)) continue;
+        if (warps == 16 && (mt == 2 || max_width(spec) > 64)) continue;
         // Two chains hold two layers' accumulators each: past width 64 ptxas spills and serializes the wgmmas.
-        if (mt == 2 && max_width(spec) > 64 && !codegen::wgmma_rows_as_n(spec, v)) continue;
+        if (mt == 2 && max_width(spec) > 64) continue;
         if (!fits(spec, v, smem_optin)) continue;
         out.push_back(v);
         if (mlp_fused_wgrad_fits(spec, v, smem_optin)) {

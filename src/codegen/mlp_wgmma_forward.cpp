@@ -1,7 +1,5 @@
 #include "codegen/mlp_wgmma_forward.h"
 
-#include <algorithm>
-#include <cstdlib>
 #include <set>
 #include <string>
 
@@ -9,8 +7,7 @@
 
 namespace kfuse::codegen {
 
-void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& shared_a,
-                         const std::set<int>& shared_kk) {
+void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& shared_a) {
   os << R"KFUSE(
 // Hopper warpgroup MMA (wgmma). The four warps of a warpgroup issue each instruction together: it multiplies 64
 // rows (16 per warp; the A fragments in registers exactly as mma.sync's m16n8k16 A operand) by a K = 16 slice of
@@ -158,41 +155,6 @@ __device__ __forceinline__ void add_wgrad(const float (&d)[1][NT][4], float* w, 
       }
     }
 }
-// The rows-as-N forward (wgmma_rows_as_n): D = W H^T, M = output features, N = rows. The descriptor of a unit tile as
-// a K-major operand (K = columns): leading byte offset 128 (the next 8 columns), stride byte offset UNITS * 128 (the
-// next 8 rows).
-template <int UNITS>
-__device__ __forceinline__ unsigned long long wgmma_desc_rows(u32 addr) {
-  return static_cast<unsigned long long>((addr >> 4) & 0x3fffu) | (8ull << 16) |
-         (static_cast<unsigned long long>(UNITS * 8) << 32);
-}
-// Accumulators of D = W H^T start as the bias of their row (output feature 16 w + g, + 8).
-template <bool HAS_BIAS, int NT>
-__device__ __forceinline__ void init_acc_rows(float (&acc)[1][NT][4], const float* __restrict__ bias, int w, int g) {
-  const float b0 = HAS_BIAS ? bias[16 * w + g] : 0.0f, b1 = HAS_BIAS ? bias[16 * w + g + 8] : 0.0f;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    acc[0][j][0] = b0;
-    acc[0][j][1] = b0;
-    acc[0][j][2] = b1;
-    acc[0][j][3] = b1;
-  }
-}
-// D (features x rows) rounded to 16 bits and stored transposed into a unit tile (row n, features 8 u ..): stmatrix
-// .trans puts fragment column n (a row of the batch) in memory row n. Matrix i of an x4: rows-block j + i / 2,
-// feature half i % 2 (units unit0, unit0 + 1).
-template <int UNITS, int NT>
-__device__ __forceinline__ void store_rows_as_units(const float (&d)[1][NT][4], u32 tile, int unit0, int lane) {
-  const int i = lane >> 3, r = lane & 7;
-#pragma unroll
-  for (int j = 0; j < NT; j += 2) {
-    const u32 addr = unit_addr<UNITS>(tile, 8 * (j + (i >> 1)) + r, unit0 + (i & 1));
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};" ::"r"(addr),
-                 "r"(pack2(d[0][j][0], d[0][j][1])), "r"(pack2(d[0][j][2], d[0][j][3])),
-                 "r"(pack2(d[0][j + 1][0], d[0][j + 1][1])), "r"(pack2(d[0][j + 1][2], d[0][j + 1][3]))
-                 : "memory");
-  }
-}
 )KFUSE";
   for (int n : register_a) {
     const int regs = n / 2;
@@ -215,18 +177,6 @@ __device__ __forceinline__ void store_rows_as_units(const float (&d)[1][NT][4], 
        << "      \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32.\" KFUSE_MMA_TYPE \".\" KFUSE_MMA_TYPE \" {";
     for (int i = 0; i < regs; ++i) os << (i ? "," : "") << "%" << i;
     os << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, 1, 1;\\n}\\n\"\n      : ";
-    for (int i = 0; i < regs; ++i) os << (i ? ", " : "") << "\"+f\"(d[0][" << i / 4 << "][" << i % 4 << "])";
-    os << "\n      : \"l\"(desc_a), \"l\"(desc_b), \"r\"(1));\n}\n";
-  }
-  // Both operands K-major from shared memory (the rows-as-N forward: A = the weights, B = the activations tile).
-  for (int n : shared_kk) {
-    const int regs = n / 2;
-    os << "__device__ __forceinline__ void wgmma_mma_kk(float (&d)[1][" << n / 8
-       << "][4], unsigned long long desc_a, unsigned long long desc_b) {\n"
-       << "  asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 2 << ", 0;\\n\"\n"
-       << "      \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32.\" KFUSE_MMA_TYPE \".\" KFUSE_MMA_TYPE \" {";
-    for (int i = 0; i < regs; ++i) os << (i ? "," : "") << "%" << i;
-    os << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, 0, 0;\\n}\\n\"\n      : ";
     for (int i = 0; i < regs; ++i) os << (i ? ", " : "") << "\"+f\"(d[0][" << i / 4 << "][" << i % 4 << "])";
     os << "\n      : \"l\"(desc_a), \"l\"(desc_b), \"r\"(1));\n}\n";
   }
@@ -331,106 +281,6 @@ void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const Ml
     }
   }
   os << "  }\n}\n";
-}
-
-namespace {
-constexpr int kRowsAsN = 128;  // rows per warpgroup and layer: the MMAs' N
-int rows_as_n_act_units(const MlpSpec& s) {
-  int w = 0;
-  for (int l = 0; l + 1 < s.num_layers(); ++l) w = std::max(w, s.layer_out_padded(l));
-  return w / 8;
-}
-}  // namespace
-
-bool wgmma_rows_as_n(const MlpSpec& s, const MlpVariant& v) {
-  const char* env = std::getenv("KFUSE_MLP_ROWS_AS_N");
-  if (!(env && std::string(env) == "1")) return false;
-  if (!v.wgmma || v.m_tiles != 2 || v.warps % 4 != 0) return false;
-  for (int l = 0; l + 1 < s.num_layers(); ++l)
-    if (s.layer_out_padded(l) % 64 != 0 || s.layer_out_padded(l) > 128) return false;
-  return true;
-}
-
-int64_t wgmma_rows_as_n_smem(const MlpSpec& s, const MlpVariant& v) {
-  const WgmmaForwardLayout w = wgmma_forward_layout(s, v);
-  const int64_t wg_bytes = int64_t(kRowsAsN) * 16 * (rows_as_n_act_units(s) + 2 * (s.layer_in_padded(0) / 8));
-  return (w.x_tile_offset + 127) / 128 * 128 + (v.warps / 4) * wg_bytes;
-}
-
-void write_wgmma_rows_as_n_body(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m) {
-  const int L = s.num_layers(), R = kRowsAsN;
-  const WgmmaForwardLayout w = wgmma_forward_layout(s, v);
-  const int in_p = s.layer_in_padded(0), xu = in_p / 8, au = rows_as_n_act_units(s);
-  const int64_t act_bytes = int64_t(R) * 16 * au, x_bytes = int64_t(R) * 16 * xu;
-  const int64_t wg_off = (w.x_tile_offset + 127) / 128 * 128, wg_bytes = act_bytes + 2 * x_bytes;
-  auto x_copy = [&](const std::string& dst, const std::string& blk) {
-    return cat("copy_rows_zero_fill<32, ", s.input_width, ", ", in_p, ", 0, 32, ", xu, ">(", dst, " + w4 * ",
-               4 * xu * 128, "u, p.x, ", blk, " * ROWS + wg * ", R, " + w4 * 32, p.batch, lane);");
-  };
-  os << "__device__ __forceinline__ void forward_body_rows(const FwdParams& p) {\n"
-     << "  extern __shared__ __align__(128) unsigned char kfuse_smem[];\n"
-     << "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3, g = lane >> 2;\n"
-     << "  const int wg = warp >> 2, w4 = warp & 3;\n"
-     << "  const u32 smem = smem_addr(kfuse_smem);\n";
-  for (int l = 0; l < L; ++l)
-    os << "  copy_core_matrices<" << s.layer_out_padded(l) << ", " << s.layer_in_padded(l) << ", "
-       << s.layer_in_padded(l) + 8 << ", THREADS>(smem + " << w.weight_offset[l] << "u, p.w + "
-       << m.fwd_weight_offset[l] << ");\n";
-  for (int l = 0; l < L; ++l)
-    os << "  const unsigned long long desc" << l << " = wgmma_desc(smem + " << w.weight_offset[l] << "u, "
-       << s.layer_in_padded(l) << ");\n";
-  os << "  const u32 act = smem + " << wg_off << "u + wg * " << wg_bytes << "u, xt0 = act + " << act_bytes << "u;\n"
-     << "  if (blockIdx.x < p.num_blocks) " << x_copy("xt0", "(i64)blockIdx.x") << "\n"
-     << "  cp_async_commit();\n  u32 xb = 0;\n"
-     << "  for (i64 blk = blockIdx.x; blk < p.num_blocks; blk += gridDim.x) {\n"
-     << "    const u32 xt = xt0 + xb * " << x_bytes << "u;\n"
-     << "    cp_async_wait_all();\n    fence_async_shared();\n"
-     << "    __syncthreads();  // x rows of every warp in place; the last block's reads of the tiles done\n"
-     << "    if (blk + gridDim.x < p.num_blocks) " << x_copy("(xt0 + (xb ^ 1u) * " + std::to_string(x_bytes) + "u)",
-                                                              "(blk + gridDim.x)")
-     << "\n    cp_async_commit();\n";
-  for (int l = 0; l + 1 < L; ++l) {
-    const int n = s.layer_out_padded(l), k = s.layer_in_padded(l);
-    const std::string src = l == 0 ? cat("wgmma_desc_rows<", xu, ">(xt)") : cat("wgmma_desc_rows<", au, ">(act)");
-    os << "    {  // layer " << l << " (" << s.layer_in(l) << " -> " << s.layer_out(l) << ", "
-       << s.layer_activation(l).name << ") as D = W H^T\n"
-       << "      const unsigned long long db = " << src << ";\n";
-    for (int t = 0; t < n / 64; ++t)
-      os << "      float d" << t << "[1][" << R / 8 << "][4];\n      init_acc_rows<" << (s.has_bias(l) ? "true" : "false")
-         << ">(d" << t << ", p.bias + " << m.bias_offset[l] + 64 * t << ", w4, g);\n";
-    os << "      wgmma_fence();\n#pragma unroll\n      for (int kt = 0; kt < " << k / 16 << "; ++kt) {\n";
-    for (int t = 0; t < n / 64; ++t)
-      os << "        wgmma_mma_kk(d" << t << ", desc" << l << " + " << 8 * t * k << "ull + kt * 16ull, db + kt * 16ull);\n";
-    os << "      }\n      wgmma_commit();\n      wgmma_wait<0>();\n";
-    for (int t = 0; t < n / 64; ++t) {
-      os << "      wgmma_fence_acc(d" << t << ");\n";
-      if (!s.layer_activation(l).is_identity())
-        os << "      apply_act<" << activation_struct_name(l) << ">(d" << t << ");\n";
-    }
-    if (l > 0) os << "      warpgroup_barrier(wg);  // every warp's MMA read the tile: it may be overwritten\n";
-    for (int t = 0; t < n / 64; ++t)
-      os << "      store_rows_as_units<" << au << ">(d" << t << ", act, " << 8 * t << " + 2 * w4, lane);\n";
-    os << "      fence_async_shared();\n      warpgroup_barrier(wg);\n    }\n";
-  }
-  const int ko = s.layer_in_padded(L - 1), no = s.layer_out_padded(L - 1);
-  os << "    // layer " << L - 1 << " (" << s.layer_in(L - 1) << " -> " << s.layer_out(L - 1)
-     << "): rows as M, A from the tile\n";
-  for (int c = 0; c < R / 64; ++c)
-    os << "    float o" << c << "[1][" << no / 8 << "][4];\n    init_acc<" << (s.has_bias(L - 1) ? "true" : "false")
-       << ">(o" << c << ", p.bias + " << m.bias_offset[L - 1] << ", q);\n"
-       << "    u32 ao" << c << "[1][" << ko / 16 << "][4];\n    load_a_units<" << au << ">(ao" << c << ", act, "
-       << 64 * c << " + 16 * w4, lane);\n";
-  os << "    wgmma_fence();\n";
-  for (int c = 0; c < R / 64; ++c) os << "    wgmma_layer(o" << c << ", ao" << c << ", desc" << L - 1 << ");\n";
-  os << "    wgmma_commit();\n    wgmma_wait<0>();\n";
-  for (int c = 0; c < R / 64; ++c) {
-    os << "    wgmma_fence_acc(o" << c << ");\n";
-    if (!s.layer_activation(L - 1).is_identity())
-      os << "    apply_act<" << activation_struct_name(L - 1) << ">(o" << c << ");\n";
-    os << "    store_c<" << s.output_width << ", " << s.output_width << ">(o" << c << ", p.y, blk * ROWS + wg * " << R
-       << " + " << 64 * c << " + 16 * w4 + g, p.batch, q);\n";
-  }
-  os << "    xb ^= 1u;\n  }\n}\n";
 }
 
 }  // namespace kfuse::codegen

@@ -18,19 +18,10 @@ namespace kfuse::codegen {
 // Device helpers for wgmma (fence, commit, wait, descriptors, the core-matrix copy, the wgmma backward's tiles) and
 // the MMA functions: `wgmma_mma` (A in registers) for each N in `register_a`, `wgmma_mma_ss` (both operands
 // MN-major in shared memory) for each N in `shared_a`. Needs the device library before it.
-void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& shared_a,
-                         const std::set<int>& shared_kk = {});
+void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& shared_a);
 
 // `template <bool TRAIN> forward_body(const FwdParams&)` of a wgmma variant (the caller declares FwdParams, the
 // activation functors and the kernels that call it).
 void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& spec, const MlpVariant& v, const MlpLayout& m);
-
-// The rows-as-N forward (experiment, KFUSE_MLP_ROWS_AS_N=1; m_tiles 2, hidden widths 64 or 128): each warpgroup
-// computes a hidden layer for 128 rows as D = W H^T (M = output features, N = the rows, both operands K-major in
-// shared memory), then stores D transposed (stmatrix .trans) back into its activation tile: fewer, larger MMAs than
-// the chain's m64nWk16 with the activations in registers. The output layer runs rows as M, A from the tile.
-bool wgmma_rows_as_n(const MlpSpec& spec, const MlpVariant& v);
-int64_t wgmma_rows_as_n_smem(const MlpSpec& spec, const MlpVariant& v);
-void write_wgmma_rows_as_n_body(std::ostringstream& os, const MlpSpec& spec, const MlpVariant& v, const MlpLayout& m);
 
 }  // namespace kfuse::codegen
