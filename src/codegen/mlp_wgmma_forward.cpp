@@ -1,5 +1,6 @@
 #include "codegen/mlp_wgmma_forward.h"
 
+#include <cstdlib>
 #include <set>
 #include <string>
 
@@ -50,6 +51,19 @@ __device__ __forceinline__ void load_a_tile(u32 (&a)[1][KT][4], u32 tile, int la
   const u32 base = tile + ((lane & 15) * LD + ((lane >> 4) << 3)) * 2;
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) ldsm4(base + kt * 32, a[0][kt][0], a[0][kt][1], a[0][kt][2], a[0][kt][3]);
+}
+// ReLU on A fragments of 16-bit pairs.
+template <int KT>
+__device__ __forceinline__ void relu_pairs(u32 (&a)[1][KT][4]) {
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#if KFUSE_BF16
+      asm("max.bf16x2 %0, %1, %2;" : "=r"(a[0][kt][i]) : "r"(a[0][kt][i]), "r"(0u));
+#else
+      asm("max.f16x2 %0, %1, %2;" : "=r"(a[0][kt][i]) : "r"(a[0][kt][i]), "r"(0u));
+#endif
 }
 // The backward's tiles (codegen/mlp_wgmma_backward.h): 64 rows in 16-byte units, unit (r, c) at
 // ((r / 8) * UNITS + c) * 128 + (r % 8) * 16.
@@ -190,6 +204,13 @@ __device__ __forceinline__ void wgmma_layer(float (&d)[1][NT][4], const u32 (&a)
 )KFUSE";
 }
 
+namespace {
+bool packed_relu_enabled() {
+  const char* env = std::getenv("KFUSE_MLP_PACKED_RELU");
+  return !(env && std::string(env) == "0");
+}
+}  // namespace
+
 void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m) {
   const int L = s.num_layers(), MT = v.m_tiles;
   const WgmmaForwardLayout w = wgmma_forward_layout(s, v);
@@ -265,11 +286,29 @@ void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const Ml
       if (m.stash_z_offset[l] >= 0)
         os << "    if (TRAIN) " << staged(n, acc, "p.stash + " + std::to_string(m.stash_z_offset[l]) + " * p.batch", c)
            << "\n";
-      if (!act.is_identity()) os << "    apply_act<" << activation_struct_name(l) << ">(" << acc << ");\n";
-      if (l < L - 1) {
-        os << "    u32 a" << l + 1 << "_" << c << "[1][" << n / 16 << "][4];\n"
-           << "    to_a(" << acc << ", a" << l + 1 << "_" << c << ");\n";
+      const std::string a = cat("a", l + 1, "_", c);
+      // A ReLU feeding the next layer runs on the rounded 16-bit pairs (half the instructions; exact, since
+      // rounding is monotone and keeps 0), unless the training forward stashes its fp32 output.
+      // KFUSE_MLP_PACKED_RELU=0 keeps it in fp32 (the A/B switch of PERF.md's measurement).
+      const bool packed_relu = l < L - 1 && packed_relu_enabled() && act.name == "relu" &&
+                               act.expression == builtin_activation("relu").expression;
+      if (packed_relu) {
+        os << "    u32 " << a << "[1][" << n / 16 << "][4];\n";
+        const std::string packed = cat("to_a(", acc, ", ", a, ");\n    relu_pairs(", a, ");\n");
+        if (l >= v.recompute)
+          os << "    if (TRAIN) {\n      apply_act<" << activation_struct_name(l) << ">(" << acc << ");\n      to_a("
+             << acc << ", " << a << ");\n    } else {\n    " << packed << "    }\n";
+        else
+          os << "    " << packed;
         issue(l + 1, c);
+      } else if (!act.is_identity()) {
+        os << "    apply_act<" << activation_struct_name(l) << ">(" << acc << ");\n";
+      }
+      if (l < L - 1) {
+        if (!packed_relu) {
+          os << "    u32 " << a << "[1][" << n / 16 << "][4];\n    to_a(" << acc << ", " << a << ");\n";
+          issue(l + 1, c);
+        }
         // The stash store overlaps the next layer's MMAs (none for outputs the backward recomputes).
         if (l >= v.recompute)
           os << "    if (TRAIN) "
