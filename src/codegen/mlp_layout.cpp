@@ -1,6 +1,8 @@
 #include "codegen/mlp_layout.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 namespace kfuse::codegen {
 
@@ -54,10 +56,12 @@ int64_t forward_stage_bytes_per_warp(const MlpSpec& spec, const MlpVariant& v) {
 
 WgmmaForwardLayout wgmma_forward_layout(const MlpSpec& spec, const MlpVariant& v) {
   WgmmaForwardLayout w;
+  const char* env = std::getenv("KFUSE_MLP_MMA_BIAS");
+  w.bias_k = env && std::string(env) == "0" ? 0 : 16;
   int64_t at = 0;
   for (int l = 0; l < spec.num_layers(); ++l) {
     w.weight_offset.push_back(at);
-    at += int64_t(spec.layer_out_padded(l)) * spec.layer_in_padded(l) * 2;  // multiples of 512 bytes
+    at += int64_t(spec.layer_out_padded(l)) * (spec.layer_in_padded(l) + w.bias_k) * 2;  // multiples of 512 bytes
   }
   w.x_tile_offset = at;
   w.x_tile_ld = spec.layer_in_padded(0) + 8;

@@ -36,12 +36,24 @@ __device__ __forceinline__ unsigned long long wgmma_desc(u32 addr, int k) {
 }
 // All threads copy an N x K weight matrix (rows SRC_LD halves apart: the packed forward region) into the
 // core-matrix layout: the 16-byte piece (row r, columns 8c..) to core matrix (r / 8, c), row r % 8.
-template <int N, int K, int SRC_LD, int THREADS>
+// DST_PIECES: the destination's 16-byte pieces per row (more than K / 8 where a bias slice follows, see below).
+template <int N, int K, int SRC_LD, int THREADS, int DST_PIECES = K / 8>
 __device__ __forceinline__ void copy_core_matrices(u32 dst, const u16* src) {
   constexpr int PIECES = K / 8;
   for (int i = threadIdx.x; i < N * PIECES; i += THREADS) {
     const int r = i / PIECES, c = i % PIECES;
-    cp_async16(dst + ((r >> 3) * PIECES + c) * 128 + (r & 7) * 16, src + r * SRC_LD + c * 8);
+    cp_async16(dst + ((r >> 3) * DST_PIECES + c) * 128 + (r & 7) * 16, src + r * SRC_LD + c * 8);
+  }
+}
+// The bias as one more K = 16 slice of a layer's weights (pieces K8 and K8 + 1 of each row, PIECES per row): column
+// K of row r holds bias[r] in 16 bits (the module's bias is 16-bit already: exact), the other 15 zeros. One MMA with
+// a ones column in A then starts the accumulators at the bias (scale-d 0), instead of per-thread register moves.
+template <int N, int PIECES, int K8, int THREADS>
+__device__ __forceinline__ void fill_bias_slice(u32 dst, const float* __restrict__ bias) {
+  for (int r = threadIdx.x; r < N; r += THREADS) {
+    const u32 row = dst + ((r >> 3) * PIECES + K8) * 128 + (r & 7) * 16;
+    st_shared_v4(row, static_cast<u32>(to_bits(bias[r])), 0u, 0u, 0u);
+    st_shared_v4(row + 128, 0u, 0u, 0u, 0u);
   }
 }
 // A warp's A fragments of 16 rows x 16 KT columns from a shared tile with rows LD halves apart (ldmatrix: lanes
@@ -173,14 +185,14 @@ __device__ __forceinline__ void add_wgrad(const float (&d)[1][NT][4], float* w, 
   for (int n : register_a) {
     const int regs = n / 2;
     os << "__device__ __forceinline__ void wgmma_mma(float (&d)[1][" << n / 8
-       << "][4], const u32 (&a)[4], unsigned long long desc) {\n"
+       << "][4], const u32 (&a)[4], unsigned long long desc, int scale_d = 1) {\n"
        << "  asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 5 << ", 0;\\n\"\n"
        << "      \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32.\" KFUSE_MMA_TYPE \".\" KFUSE_MMA_TYPE \" {";
     for (int i = 0; i < regs; ++i) os << (i ? "," : "") << "%" << i;
     os << "}, {%" << regs << ",%" << regs + 1 << ",%" << regs + 2 << ",%" << regs + 3 << "}, %" << regs + 4
        << ", p, 1, 1, 0;\\n}\\n\"\n      : ";
     for (int i = 0; i < regs; ++i) os << (i ? ", " : "") << "\"+f\"(d[0][" << i / 4 << "][" << i % 4 << "])";
-    os << "\n      : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(1));\n}\n";
+    os << "\n      : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(scale_d));\n}\n";
   }
   // Both operands from shared memory, both MN-major (imm-trans-a = imm-trans-b = 1): the weight gradients.
   for (int n : shared_a) {
@@ -221,15 +233,20 @@ void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const Ml
   // A layer's accumulators start as its bias. They are loaded before the wait for the layer's input (the previous
   // layer's wgmma, or layer 0's x tile): that wait's memory clobber would otherwise hold the loads, and their
   // latency, between the wait and the next issue.
+  // With the bias slice (w.bias_k) the first MMA of a layer sets them instead (scale-d 0, A = a ones column).
   auto init = [&](int l, int c) {
     const std::string acc = acc_name(l, c);
-    os << "    float " << acc << "[1][" << s.layer_out_padded(l) / 8 << "][4];\n"
-       << "    init_acc<" << (s.has_bias(l) ? "true" : "false") << ">(" << acc << ", p.bias + " << m.bias_offset[l]
-       << ", q);\n";
+    os << "    float " << acc << "[1][" << s.layer_out_padded(l) / 8 << "][4];\n";
+    if (!w.bias_k)
+      os << "    init_acc<" << (s.has_bias(l) ? "true" : "false") << ">(" << acc << ", p.bias + " << m.bias_offset[l]
+         << ", q);\n";
   };
   auto issue = [&](int l, int c) {
-    os << "    wgmma_fence();\n"
-       << "    wgmma_layer(" << acc_name(l, c) << ", a" << l << "_" << c << ", desc" << l << ");\n"
+    os << "    wgmma_fence();\n";
+    if (w.bias_k)
+      os << "    wgmma_mma(" << acc_name(l, c) << ", ones_a, desc" << l << " + " << s.layer_in_padded(l) / 16 * 16
+         << "ull, 0);\n";
+    os << "    wgmma_layer(" << acc_name(l, c) << ", a" << l << "_" << c << ", desc" << l << ");\n"
        << "    wgmma_commit();\n";
   };
   auto staged = [&](int width, const std::string& acc, const std::string& out, int c) {
@@ -242,19 +259,28 @@ void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const Ml
      << "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;\n"
      << "  const u32 smem = smem_addr(kfuse_smem);\n"
      << "  // the weights, once: packed rows -> core matrices\n";
-  for (int l = 0; l < L; ++l)
-    os << "  copy_core_matrices<" << s.layer_out_padded(l) << ", " << s.layer_in_padded(l) << ", "
-       << s.layer_in_padded(l) + 8 << ", THREADS>(smem + " << w.weight_offset[l] << "u, p.w + "
-       << m.fwd_weight_offset[l] << ");\n";
+  for (int l = 0; l < L; ++l) {
+    const int n = s.layer_out_padded(l), k = s.layer_in_padded(l), pieces = (k + w.bias_k) / 8;
+    os << "  copy_core_matrices<" << n << ", " << k << ", " << k + 8 << ", THREADS, " << pieces << ">(smem + "
+       << w.weight_offset[l] << "u, p.w + " << m.fwd_weight_offset[l] << ");\n";
+    if (w.bias_k)
+      os << "  fill_bias_slice<" << n << ", " << pieces << ", " << k / 8 << ", THREADS>(smem + " << w.weight_offset[l]
+         << "u, p.bias + " << m.bias_offset[l] << ");\n";
+  }
   for (int l = 0; l < L; ++l)
     os << "  const unsigned long long desc" << l << " = wgmma_desc(smem + " << w.weight_offset[l] << "u, "
-       << s.layer_in_padded(l) << ");\n";
+       << s.layer_in_padded(l) + w.bias_k << ");\n";
+  if (w.bias_k)
+    os << "  // A's ones column (k = 0 of the bias slice): rows g and g + 8 of lanes with q = 0\n"
+       << "  const u32 one_lo = q == 0 ? static_cast<u32>(to_bits(1.0f)) : 0u;\n"
+       << "  const u32 ones_a[4] = {one_lo, one_lo, 0u, 0u};\n";
   os << "  // the warp's x tile (its 16 * MT rows of the next row block) and store staging area\n"
      << "  const u32 xtile = smem + " << w.x_tile_offset << "u + warp * " << w.x_tile_bytes_per_warp << "u;\n"
      << "  const u32 stage = smem + " << w.stage_offset << "u + warp * " << forward_stage_bytes_per_warp(s, v)
      << "u;\n"
      << "  if (blockIdx.x < p.num_blocks) " << x_copy << "blockIdx.x * ROWS + warp * (16 * MT), p.batch, lane);\n"
-     << "  cp_async_commit();\n  cp_async_wait_all();\n  __syncthreads();\n"
+     << "  cp_async_commit();\n  cp_async_wait_all();\n"
+     << "  fence_async_shared();  // the bias slices (st.shared) before wgmma reads them\n  __syncthreads();\n"
      << "  for (i64 blk = blockIdx.x; blk < p.num_blocks; blk += gridDim.x) {\n"
      << "    const i64 row = blk * ROWS + warp * (16 * MT) + (lane >> 2);\n";
   for (int c = 0; c < MT; ++c) init(0, c);

@@ -274,11 +274,12 @@ TEST(MlpVariants, WgmmaNeedsResidentWeightsAndWholeWarpgroups) {
   EXPECT_EQ(count_wgmma(mlp_candidate_variants(w128, 227 * 1024, true)), 2) << "one chain per warpgroup past 64";
   for (const MlpVariant& v : mlp_candidate_variants(w128, 227 * 1024, true))
     EXPECT_LE(mlp_forward_smem_bytes(w128, v), 227u * 1024) << v.name();
-  // Its shared memory: unpadded weights, then per warp an x tile and a staging area.
+  // Its shared memory: unpadded weights with a 16-column bias slice each, then per warp an x tile and a staging area.
   const codegen::WgmmaForwardLayout w = codegen::wgmma_forward_layout(s, {2, 8, true, 64, false, true});
-  EXPECT_EQ(w.weight_offset, (std::vector<int64_t>{0, 64 * 32 * 2, 64 * 32 * 2 + 64 * 64 * 2,
-                                                   64 * 32 * 2 + 2 * 64 * 64 * 2, 64 * 32 * 2 + 3 * 64 * 64 * 2}));
-  EXPECT_EQ(w.x_tile_offset, 64 * 32 * 2 + 3 * 64 * 64 * 2 + 16 * 64 * 2);
+  ASSERT_EQ(w.bias_k, 16);
+  EXPECT_EQ(w.weight_offset, (std::vector<int64_t>{0, 64 * 48 * 2, 64 * 48 * 2 + 64 * 80 * 2,
+                                                   64 * 48 * 2 + 2 * 64 * 80 * 2, 64 * 48 * 2 + 3 * 64 * 80 * 2}));
+  EXPECT_EQ(w.x_tile_offset, 64 * 48 * 2 + 3 * 64 * 80 * 2 + 16 * 80 * 2);
   EXPECT_EQ(w.x_tile_bytes_per_warp, 32 * (32 + 8) * 2);
   EXPECT_EQ(w.smem_bytes, w.x_tile_offset + 8 * 32 * 40 * 2 + 8 * 32 * 72 * 2);
   EXPECT_EQ(mlp_forward_smem_bytes(s, {2, 8, true, 64, false, true}), size_t(w.smem_bytes));
