@@ -8,6 +8,8 @@
 //       only for the layers whose weight gradient cuBLAS makes;
 //   kfuse_mlp_wgrad_reduce(ReduceParams)           fused_wgrad only: sums the CTAs' partials into the gradients
 //       (256 threads, ceil(num_parameters / 32) CTAs, no dynamic shared memory).
+// A wgmma_backward variant's two backward kernels come from codegen/mlp_wgmma_backward.h instead (same parameters,
+// every gradient inside, partials in the same layout).
 // Parameter structs (by value, in this order; pointers are device pointers, i64 = long long):
 //   PackParams   { const u16* w[kMaxLayers]; const u16* b[kMaxLayers]; u16* out; float* bias_out; }
 //   FwdParams    { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; i64 num_blocks; }
