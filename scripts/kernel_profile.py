@@ -1,5 +1,9 @@
-"""Per-kernel GPU time of a step, from torch.profiler's CUDA activity: shared by scripts/profile_train.py and
-scripts/profile_mlp.py (run as `python scripts/<name>.py`, so this folder is on the import path)."""
+"""Per-kernel GPU time of a step, from torch.profiler's CUDA activity, and the printout of a host (cProfile) profile:
+shared by scripts/profile_train.py and scripts/profile_mlp.py (run as `python scripts/<name>.py`, so this folder is
+on the import path)."""
+import io
+import pstats
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -52,3 +56,11 @@ def idle_gaps(intervals: list, steps: int, min_us: float = 3.0):
     busy += cur_e - cur_s
     ranked = sorted(((us / steps, cnt / steps, a, b) for (a, b), (us, cnt) in gaps.items()), key=lambda r: -r[0])
     return busy / steps, ranked
+
+
+def print_host_profile(prof, title: str, lines: int = 12):
+    """The `lines` functions of most own time in a cProfile profile, under a title line."""
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(lines)
+    print(f"--- {title} (tottime, cProfile's overhead included) ---")
+    print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))

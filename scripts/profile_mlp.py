@@ -4,13 +4,11 @@ of one training step (forward + backward) with the chosen variants, from torch.p
 Usage: python scripts/profile_mlp.py [width ...] [--host]   (default: 64 128; --host: back-to-back GPU time against host
 time per call, and the Python profile of the training step)"""
 import cProfile
-import io
-import pstats
 import sys
 import time
 
 import torch
-from kernel_profile import kernel_times
+from kernel_profile import kernel_times, print_host_profile
 
 from kfuse.bench_mlp import MLP_BATCH, MLP_IN, MLP_OUT, _sequential
 from kfuse.encoder import format_tuning_table
@@ -70,10 +68,7 @@ def host_profile(fused, x, step, calls=30):
         step()
     prof.disable()
     torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
-    print(f"--- host profile of {calls} training steps (tottime, cProfile's overhead included) ---")
-    print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))
+    print_host_profile(prof, f"host profile of {calls} training steps", 14)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,12 @@ torch.profiler's CUDA activity: what PERF.md's training breakdown is made of; th
 a synchronized step. Usage: python scripts/profile_train.py [N] [--host] (--host: also the Python profile of the
 forward and backward calls, the host work the latency pays before the GPU starts)."""
 import cProfile
-import io
-import pstats
 import statistics
 import sys
 import time
 
 import torch
-from kernel_profile import PROFILED_STEPS, idle_gaps, kernel_times
+from kernel_profile import PROFILED_STEPS, idle_gaps, kernel_times, print_host_profile
 
 import kfuse
 
@@ -71,10 +69,7 @@ def main():
                     call()
                     prof.disable()
             torch.cuda.synchronize()
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
-            print(f"--- host profile of 100 {label} calls (tottime, cProfile's overhead included) ---")
-            print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))
+            print_host_profile(prof, f"host profile of 100 {label} calls")
     for name, us, cnt in rows[:60]:
         # CUTLASS 2.x conv kernels differ only deep in their mangled names: keep the tile shapes and operator.
         short = name if "cutlass" not in name else " ".join(

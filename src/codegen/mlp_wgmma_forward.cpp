@@ -182,30 +182,32 @@ __device__ __forceinline__ void add_wgrad(const float (&d)[1][NT][4], float* w, 
     }
 }
 )KFUSE";
-  for (int n : register_a) {
+  // Operand numbering: the N / 2 accumulators first, then `operands` (the A registers or descriptor, B's
+  // descriptor), then the scale-d flag.
+  auto mma_function = [&](const std::string& name, int n, const std::string& params, const std::string& operands,
+                          int operand_count, const std::string& flags, const std::string& inputs) {
     const int regs = n / 2;
-    os << "__device__ __forceinline__ void wgmma_mma(float (&d)[1][" << n / 8
-       << "][4], const u32 (&a)[4], unsigned long long desc, int scale_d = 1) {\n"
-       << "  asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 5 << ", 0;\\n\"\n"
+    os << "__device__ __forceinline__ void " << name << "(float (&d)[1][" << n / 8 << "][4], " << params << ") {\n"
+       << "  asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + operand_count << ", 0;\\n\"\n"
        << "      \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32.\" KFUSE_MMA_TYPE \".\" KFUSE_MMA_TYPE \" {";
     for (int i = 0; i < regs; ++i) os << (i ? "," : "") << "%" << i;
-    os << "}, {%" << regs << ",%" << regs + 1 << ",%" << regs + 2 << ",%" << regs + 3 << "}, %" << regs + 4
-       << ", p, 1, 1, 0;\\n}\\n\"\n      : ";
+    os << "}, ";
+    for (size_t i = 0; i < operands.size(); ++i) {  // "%N" placeholders: '#' is the next operand number
+      if (operands[i] == '#') os << "%" << regs + (operands[i + 1] - '0'), ++i;
+      else os << operands[i];
+    }
+    os << ", p, " << flags << ";\\n}\\n\"\n      : ";
     for (int i = 0; i < regs; ++i) os << (i ? ", " : "") << "\"+f\"(d[0][" << i / 4 << "][" << i % 4 << "])";
-    os << "\n      : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(scale_d));\n}\n";
-  }
+    os << "\n      : " << inputs << ");\n}\n";
+  };
+  for (int n : register_a)
+    mma_function("wgmma_mma", n, "const u32 (&a)[4], unsigned long long desc, int scale_d = 1", "{#0,#1,#2,#3}, #4",
+                 5, "1, 1, 0",
+                 "\"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(scale_d)");
   // Both operands from shared memory, both MN-major (imm-trans-a = imm-trans-b = 1): the weight gradients.
-  for (int n : shared_a) {
-    const int regs = n / 2;
-    os << "__device__ __forceinline__ void wgmma_mma_ss(float (&d)[1][" << n / 8
-       << "][4], unsigned long long desc_a, unsigned long long desc_b) {\n"
-       << "  asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 2 << ", 0;\\n\"\n"
-       << "      \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32.\" KFUSE_MMA_TYPE \".\" KFUSE_MMA_TYPE \" {";
-    for (int i = 0; i < regs; ++i) os << (i ? "," : "") << "%" << i;
-    os << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, 1, 1;\\n}\\n\"\n      : ";
-    for (int i = 0; i < regs; ++i) os << (i ? ", " : "") << "\"+f\"(d[0][" << i / 4 << "][" << i % 4 << "])";
-    os << "\n      : \"l\"(desc_a), \"l\"(desc_b), \"r\"(1));\n}\n";
-  }
+  for (int n : shared_a)
+    mma_function("wgmma_mma_ss", n, "unsigned long long desc_a, unsigned long long desc_b", "#0, #1", 2,
+                 "1, 1, 1, 1", "\"l\"(desc_a), \"l\"(desc_b), \"r\"(1)");
   os << R"KFUSE(// One layer of a chain: every K = 16 slice (the next slice's two core matrices are 256 bytes further).
 template <int NT, int KT>
 __device__ __forceinline__ void wgmma_layer(float (&d)[1][NT][4], const u32 (&a)[1][KT][4], unsigned long long desc) {
