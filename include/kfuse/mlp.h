@@ -6,8 +6,8 @@
 // Layouts (all row-major, contiguous, 16-byte aligned device memory; dtype = spec.dtype unless said otherwise):
 //   x (batch, input_width), y (batch, output_width), dy like y, dx like x;
 //   weights of layer l: PyTorch's nn.Linear layout (out_l, in_l); biases (out_l);
-//   gradients: one float32 vector, per layer its weight gradient (out_l * in_l) then, when the layer has a bias,
-//   its bias gradient (out_l): nn.Sequential's parameter order.
+//   gradients: one vector (float32, or spec.dtype where asked), per layer its weight gradient (out_l * in_l) then,
+//   when the layer has a bias, its bias gradient (out_l): nn.Sequential's parameter order.
 // The C++ core does not depend on PyTorch; the Python module kfuse.FusedMLP allocates every buffer.
 #pragma once
 
@@ -51,6 +51,10 @@ void validate_activation(const Activation& activation);
 
 enum class MlpDType { kFloat16, kBFloat16 };
 const char* mlp_dtype_name(MlpDType d);  // "float16" / "bfloat16"
+
+// The element type FusedMlp::backward writes the gradients in: float32, or the spec's dtype (each entry rounded once
+// from its float32 sum), which is what a module with 16-bit parameters wants, without a cast kernel afterwards.
+enum class MlpGradDType { kFloat32, kSpecDType };
 
 // Layers: input_width -> hidden_widths[0] -> ... -> hidden_widths.back() -> output_width, each an affine map (with or
 // without bias) followed by an activation: activations[i] after hidden layer i, output_activation after the last.
@@ -202,6 +206,10 @@ class FusedMlp {
   // the stash unwritten); `workspace` holds backward_workspace_bytes(batch).
   void backward(const void* packed, const void* x, const void* y, const void* dy, const void* stash,
                 void* workspace, float* grads, void* dx, int64_t batch, Stream stream) const;
+  // As above, with the gradients in `grads_dtype`.
+  void backward(const void* packed, const void* x, const void* y, const void* dy, const void* stash,
+                void* workspace, void* grads, MlpGradDType grads_dtype, void* dx, int64_t batch,
+                Stream stream) const;
 
 
  private:

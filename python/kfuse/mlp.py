@@ -8,7 +8,6 @@ torch.autograd. On CPU tensors the module runs plain PyTorch (same math), so it 
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence, Union
 
 import torch
@@ -140,13 +139,17 @@ def _cuda_stream(device: torch.device) -> int:
 
 class _FusedFunction(torch.autograd.Function):
     """Forward (training forward when gradients are wanted) and backward of the generated kernels. Parameters pass
-    as inputs so that autograd routes their gradients; the kernels read them from the packed buffer."""
+    as inputs so that autograd routes their gradients; the kernels read them from the packed buffer.
+
+    `run` = (inference engine, training engine, packed weights, train, output width): one argument instead of five,
+    since Function.apply costs host time per argument (the training step is host-bound at width 64, PERF.md)."""
 
     # The engines are called with device pointers (the *_raw methods): every buffer is made here or checked by
     # FusedMLP.forward (contiguous, the compute dtype, 16-byte aligned, on the parameters' device), and autograd hands
     # backward a dy of y's shape and device.
     @staticmethod
-    def forward(ctx, engine, bwd_engine, packed, train, out_width, x, *params):
+    def forward(ctx, run, x, *params):
+        engine, bwd_engine, packed, train, out_width = run
         batch = x.shape[0]
         y = torch.empty((batch, out_width), dtype=x.dtype, device=x.device)
         stream = _cuda_stream(x.device)
@@ -158,8 +161,7 @@ class _FusedFunction(torch.autograd.Function):
             bwd_engine.forward_train_raw(packed.data_ptr(), x.data_ptr(), y.data_ptr(), stash.data_ptr(), batch,
                                          stream)
             ctx.engine = bwd_engine
-            ctx.param_shapes = [p.shape for p in params]
-            ctx.param_dtype = params[0].dtype
+            ctx.params = params
             ctx.save_for_backward(x, y, stash, packed)
         else:
             engine.forward_raw(packed.data_ptr(), x.data_ptr(), y.data_ptr(), batch, stream)
@@ -169,7 +171,7 @@ class _FusedFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, y, stash, packed = ctx.saved_tensors
-        engine = ctx.engine
+        engine, params = ctx.engine, ctx.params
         batch = x.shape[0]
         if dy.dtype != x.dtype:
             dy = dy.to(x.dtype)
@@ -178,17 +180,18 @@ class _FusedFunction(torch.autograd.Function):
         if dy.data_ptr() % 16:
             dy = dy.clone()
         workspace = torch.empty(engine.backward_workspace_bytes(batch), dtype=torch.uint8, device=x.device)
-        grads = torch.empty(engine.num_parameters, dtype=torch.float32, device=x.device)
-        dx = torch.empty_like(x) if ctx.needs_input_grad[5] else None
+        # The kernels write the gradients in the parameters' dtype: 16-bit parameters are the compute dtype (each
+        # gradient rounded once from its float32 sum), float32 ones get the float32 sums. No cast afterwards.
+        grad_dtype = params[0].dtype
+        grads = torch.empty(engine.num_parameters, dtype=grad_dtype, device=x.device)
+        need = ctx.needs_input_grad
+        dx = torch.empty_like(x) if need[1] else None
         engine.backward_raw(packed.data_ptr(), x.data_ptr(), y.data_ptr(), dy.data_ptr(), stash.data_ptr(),
-                            workspace.data_ptr(), grads.data_ptr(), 0 if dx is None else dx.data_ptr(), batch,
-                            _cuda_stream(x.device))
-        if ctx.param_dtype != torch.float32:
-            grads = grads.to(ctx.param_dtype)
-        sizes = [math.prod(s) for s in ctx.param_shapes]
-        out = [g.view(s) if need else None
-               for g, s, need in zip(torch.split(grads, sizes), ctx.param_shapes, ctx.needs_input_grad[6:])]
-        return (None, None, None, None, None, dx, *out)
+                            workspace.data_ptr(), grads.data_ptr(), grad_dtype != torch.float32,
+                            0 if dx is None else dx.data_ptr(), batch, _cuda_stream(x.device))
+        # One call for every parameter's view of the gradient vector (nn.Sequential's order, the kernels' layout).
+        out = torch._C._nn.unflatten_dense_tensors(grads, params)
+        return (None, dx, *(g if n else None for g, n in zip(out, need[2:])))
 
 
 class FusedMLP(nn.Module):
@@ -302,7 +305,10 @@ class FusedMLP(nn.Module):
         """The (inference, training) kernel variants the GPU path runs on the parameters' device: the overrides, else
         tune()'s choice for this device and compute dtype, else None (the heuristic default)."""
         device, compute = self._gpu_target()
-        tuned = self._tuned.get((device.index or 0, compute), (None, None))
+        return self._variants_for(device.index or 0, compute)
+
+    def _variants_for(self, device_index: int, compute: torch.dtype) -> tuple[tuple | None, tuple | None]:
+        tuned = self._tuned.get((device_index, compute), (None, None))
         return (self.variant if self.variant is not None else tuned[0],
                 self.backward_variant if self.backward_variant is not None else tuned[1])
 
@@ -315,11 +321,15 @@ class FusedMLP(nn.Module):
 
     # -- GPU plumbing --------------------------------------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
+        # nn.Sequential's parameter order. Read through the modules' dicts: nn.Module.__getattr__ costs ~1 us per
+        # attribute, and this runs on every call.
         out = []
-        for layer in self.layers:
-            out.append(layer.weight)
-            if layer.bias is not None:
-                out.append(layer.bias)
+        for layer in self.layers._modules.values():
+            ps = layer._parameters
+            out.append(ps["weight"])
+            b = ps.get("bias")
+            if b is not None:
+                out.append(b)
         return out
 
     def engine(self, device: torch.device, compute_dtype: torch.dtype, variant: tuple | None = None):
@@ -356,34 +366,44 @@ class FusedMLP(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The hot path of every call: the checks and lookups below are kept to plain Python operations where they
+        # can be (a training step at width 64 is bound by host time, PERF.md).
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"FusedMLP expects a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != self.input_width:
-            raise ValueError(f"FusedMLP input must have shape (..., {self.input_width}), got {tuple(x.shape)}")
-        p = self.layers[0].weight
-        if x.device != p.device:
-            raise ValueError(f"input is on {x.device} but the MLP's parameters are on {p.device}")
+        shape = x.shape
+        if len(shape) < 1 or shape[-1] != self.input_width:
+            raise ValueError(f"FusedMLP input must have shape (..., {self.input_width}), got {tuple(shape)}")
+        params = self._params()
+        p = params[0]
+        device = x.device
+        if device != p.device:
+            raise ValueError(f"input is on {device} but the MLP's parameters are on {p.device}")
         if not x.is_floating_point():
             raise ValueError(f"FusedMLP input must be floating point, got {x.dtype}")
-        if x.device.type != "cuda":
+        if device.type != "cuda":
             return self.forward_torch(x)
-        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"FusedMLP on CUDA runs float16, bfloat16 or float32 modules, this one is {p.dtype}")
-        compute = p.dtype if p.dtype in _GPU_DTYPES else torch.float16
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.input_width).to(compute).contiguous()
+        dtype = p.dtype
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"FusedMLP on CUDA runs float16, bfloat16 or float32 modules, this one is {dtype}")
+        compute = dtype if dtype in _GPU_DTYPES else torch.float16
+        x2 = x if len(shape) == 2 else x.reshape(-1, self.input_width)
+        if x2.dtype != compute:
+            x2 = x2.to(compute)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
         if x2.shape[0] == 0:
-            return x.new_empty(*lead, self.output_width, dtype=p.dtype)
+            return x.new_empty(*shape[:-1], self.output_width, dtype=dtype)
         if x2.data_ptr() % 16:
             x2 = x2.clone()
-        fwd_variant, bwd_variant = self.variants()
-        engine = self.engine(x.device, compute, fwd_variant)
-        params = self._params()
+        fwd_variant, bwd_variant = self._variants_for(device.index or 0, compute)
+        engine = self.engine(device, compute, fwd_variant)
         packed = self._packed_weights(engine, params, compute)
         train = torch.is_grad_enabled() and (x2.requires_grad or any(q.requires_grad for q in params))
-        bwd_engine = self.engine(x.device, compute, bwd_variant) if train else engine
-        y = _FusedFunction.apply(engine, bwd_engine, packed, train, self.output_width, x2, *params)
-        return y.to(p.dtype).reshape(*lead, self.output_width)
+        bwd_engine = self.engine(device, compute, bwd_variant) if train else engine
+        y = _FusedFunction.apply((engine, bwd_engine, packed, train, self.output_width), x2, *params)
+        if dtype != compute:
+            y = y.to(dtype)
+        return y if len(shape) == 2 else y.reshape(*shape[:-1], self.output_width)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """The same MLP in plain PyTorch ops (the CPU path, and a reference)."""

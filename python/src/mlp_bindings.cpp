@@ -272,11 +272,14 @@ void bind_mlp(nb::module_& m) {
              const void* dyp = checked(f, dy, "output gradient", Want::kCompute, out_shape);
              const void* st = checked(f, stash, "stash", Want::kBytes, {}, f.stash_bytes(n));
              void* ws = checked(f, workspace, "backward workspace", Want::kBytes, {}, f.backward_workspace_bytes(n));
-             float* g = static_cast<float*>(
-                 checked(f, grads, "gradient buffer", Want::kFloat32, {f.spec().num_parameters()}));
+             // float32 gradients, or 16-bit ones in the MLP's dtype (rounded once by the kernels).
+             const bool grads_f32 = grads.dtype() == nb::dtype<float>();
+             void* g = checked(f, grads, "gradient buffer", grads_f32 ? Want::kFloat32 : Want::kCompute,
+                               {f.spec().num_parameters()});
              void* dxp = dx ? checked(f, *dx, "input gradient", Want::kCompute, {n, f.spec().input_width}) : nullptr;
              nb::gil_scoped_release release;
-             f.backward(pk, xp, yp, dyp, st, ws, g, dxp, n, as_stream(stream));
+             f.backward(pk, xp, yp, dyp, st, ws, g, grads_f32 ? MlpGradDType::kFloat32 : MlpGradDType::kSpecDType,
+                        dxp, n, as_stream(stream));
            },
            "packed"_a, "x"_a, "y"_a, "dy"_a, "stash"_a, "workspace"_a, "grads"_a, "dx"_a.none(), "stream"_a)
       // The module's hot path (kfuse.FusedMLP, which made or checked every buffer itself: dtype, shape, contiguity,
@@ -297,11 +300,14 @@ void bind_mlp(nb::module_& m) {
            "packed"_a, "x"_a, "y"_a, "stash"_a, "batch"_a, "stream"_a)
       .def("backward_raw",
            [](const FusedMlp& f, uintptr_t packed, uintptr_t x, uintptr_t y, uintptr_t dy, uintptr_t stash,
-              uintptr_t workspace, uintptr_t grads, uintptr_t dx, int64_t batch, uintptr_t stream) {
+              uintptr_t workspace, uintptr_t grads, bool grads_16bit, uintptr_t dx, int64_t batch,
+              uintptr_t stream) {
              nb::gil_scoped_release release;
-             f.backward(raw(packed), raw(x), raw(y), raw(dy), raw(stash), raw(workspace),
-                        static_cast<float*>(raw(grads)), raw(dx), batch, as_stream(stream));
+             f.backward(raw(packed), raw(x), raw(y), raw(dy), raw(stash), raw(workspace), raw(grads),
+                        grads_16bit ? MlpGradDType::kSpecDType : MlpGradDType::kFloat32, raw(dx), batch,
+                        as_stream(stream));
            },
-           "packed"_a, "x"_a, "y"_a, "dy"_a, "stash"_a, "workspace"_a, "grads"_a, "dx"_a, "batch"_a, "stream"_a);
+           "packed"_a, "x"_a, "y"_a, "dy"_a, "stash"_a, "workspace"_a, "grads"_a, "grads_16bit"_a, "dx"_a, "batch"_a,
+           "stream"_a);
 #endif
 }

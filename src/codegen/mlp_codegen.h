@@ -15,7 +15,8 @@
 //   FwdParams    { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; i64 num_blocks; }
 //   BwdParams    { const u16* dy; const u16* y; const u16* stash; const u16* w; u16* dz; u16* dx; const u16* x;
 //                  float* partials; i64 batch; i64 num_blocks; }   (x, partials: fused_wgrad only)
-//   ReduceParams { const float* partials; float* grads; int slices; }   (slices: the backward's grid size)
+//   ReduceParams { const float* partials; void* grads; int slices; int grads_16bit; }   (slices: the backward's
+//                  grid size; grads_16bit: the gradients in the spec's dtype, else float32)
 // FwdParams.w points at the packed forward region, BwdParams.w at the backward region (codegen/mlp_layout.h), of
 // the whole packed buffer: a backward with recomputed activations (MlpVariant::recompute) also reads the forward
 // region before it and the biases after it.

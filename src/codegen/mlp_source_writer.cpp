@@ -453,7 +453,7 @@ void write_wgrad_reduce(std::ostringstream& os, const MlpSpec& spec, const Wgrad
     if (!plan.layers[l].weight)
       inside << " && !(i >= " << plan.grad_weight_offset[l] << " && i < "
              << plan.grad_weight_offset[l] + int64_t(spec.layer_out(l)) * spec.layer_in(l) << ")";
-  os << "struct ReduceParams { const float* partials; float* grads; int slices; };\n"
+  os << "struct ReduceParams { const float* partials; void* grads; int slices; int grads_16bit; };\n"
      << "extern \"C\" __global__ void __launch_bounds__(256) kfuse_mlp_wgrad_reduce(ReduceParams p) {\n"
      << "  __shared__ float sums[8][33];\n"
      << "  const int c = threadIdx.x & 31, w = threadIdx.x >> 5;\n"
@@ -470,7 +470,8 @@ void write_wgrad_reduce(std::ostringstream& os, const MlpSpec& spec, const Wgrad
      << "    float t = 0.0f;\n"
      << "#pragma unroll\n"
      << "    for (int k = 0; k < 8; ++k) t += sums[k][c];\n"
-     << "    p.grads[i] = t;\n"
+     << "    if (p.grads_16bit) static_cast<u16*>(p.grads)[i] = to_bits(t);\n"
+     << "    else static_cast<float*>(p.grads)[i] = t;\n"
      << "  }\n"
      << "}\n\n";
 }

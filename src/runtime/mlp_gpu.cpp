@@ -66,8 +66,9 @@ struct BwdParams {
 };
 struct ReduceParams {
   const float* partials;
-  float* grads;
+  void* grads;
   int slices;
+  int grads_16bit;
 };
 
 // A compiled module: the binary from the disk cache or NVRTC. Thread-safe (runs off the caller's thread for the
@@ -367,6 +368,12 @@ void FusedMlp::forward_train(const void* packed, const void* x, void* y, void* s
 
 void FusedMlp::backward(const void* packed, const void* x, const void* y, const void* dy, const void* stash,
                         void* workspace, float* grads, void* dx, int64_t batch, Stream stream) const {
+  backward(packed, x, y, dy, stash, workspace, grads, MlpGradDType::kFloat32, dx, batch, stream);
+}
+
+void FusedMlp::backward(const void* packed, const void* x, const void* y, const void* dy, const void* stash,
+                        void* workspace, void* grads, MlpGradDType grads_dtype, void* dx, int64_t batch,
+                        Stream stream) const {
   const Impl& m = *impl_;
   const MlpSpec& s = m.spec;
   const codegen::MlpLayout& lay = m.layout;
@@ -385,6 +392,7 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
   const LoadedKernels& kernels = m.backward_module();
   const char* pk = static_cast<const char*>(packed);
   const bool fused = m.variant.fused_wgrad;
+  const bool grads_16bit = grads_dtype == MlpGradDType::kSpecDType;
   char* dz_base = static_cast<char*>(workspace) + (fused ? m.partials_bytes(batch) : 0);
   BwdParams p{dy, y, stash, pk + lay.bwd_region_byte_offset, dz_base, dx, x,
               fused ? static_cast<float*>(workspace) : nullptr, batch, m.num_blocks(batch)};
@@ -395,7 +403,7 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
   if (fused) {
     // Every CTA wrote its partial gradients (the grid fits the workspace: backward_module checked ctas_per_sm);
     // sum them in CTA order, 32 entries per reduction CTA.
-    ReduceParams r{static_cast<const float*>(workspace), grads, static_cast<int>(grid)};
+    ReduceParams r{static_cast<const float*>(workspace), grads, static_cast<int>(grid), grads_16bit ? 1 : 0};
     void* args[] = {&r};
     const long long blocks = (m.wgrad.grad_floats + 31) / 32;
     api.check(api.cuLaunchKernel(kernels.functions.at("kfuse_mlp_wgrad_reduce"), static_cast<unsigned>(blocks), 1, 1,
@@ -409,6 +417,10 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
   if (!m.cublas) check_cublas(cublasCreate(&m.cublas), "cublasCreate");
   check_cublas(cublasSetStream(m.cublas, reinterpret_cast<cudaStream_t>(stream)), "cublasSetStream");
   const cudaDataType_t t = s.dtype == MlpDType::kFloat16 ? CUDA_R_16F : CUDA_R_16BF;
+  // 16-bit gradients: cuBLAS rounds its float32 result once on the store (compute type 32F).
+  const cudaDataType_t grad_t = grads_16bit ? t : CUDA_R_32F;
+  char* const grads_base = static_cast<char*>(grads);
+  const int grad_bytes = grads_16bit ? 2 : 4;
   const uint16_t one_bits = s.dtype == MlpDType::kFloat16 ? 0x3C00 : 0x3F80;
   const char* ones = dz_base + lay.dz_elements_per_row * batch * 2;
   if (!fused)
@@ -427,12 +439,14 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
     // Column-major view: dW^T (in x out) = h^T (in x batch) * dz (batch x out); row-major dW is PyTorch's layout.
     if (!fused || !m.wgrad.layers[l].weight)
       check_cublas(cublasGemmEx(m.cublas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, k, &alpha, h, t, ld_h, dz, t, ld_dz,
-                                &beta, grads + offset, CUDA_R_32F, in, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                                &beta, grads_base + offset * grad_bytes, grad_t, in, CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT),
                    "cublasGemmEx (MLP weight gradient)");
     offset += int64_t(in) * out;
     if (s.has_bias(l) && !fused) {
       check_cublas(cublasGemmEx(m.cublas, CUBLAS_OP_N, CUBLAS_OP_N, out, 1, k, &alpha, dz, t, ld_dz, ones, t, k,
-                                &beta, grads + offset, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                                &beta, grads_base + offset * grad_bytes, grad_t, out, CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT),
                    "cublasGemmEx (MLP bias gradient)");
     }
     if (s.has_bias(l)) offset += out;

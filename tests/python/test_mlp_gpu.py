@@ -233,8 +233,9 @@ def test_default_variant_fuses_weight_gradients_where_they_fit():
         assert m.engine(torch.device("cuda", 0), torch.float16).build_info["variant"].endswith("_fw") == fused
 
 
-@pytest.mark.parametrize("variant", [None, (1, 8, True, 64, True, False, 2), (1, 8, True, 64, True, True, 2, True)],
-                         ids=["default", "recompute2", "wgmma_backward"])
+@pytest.mark.parametrize("variant", [None, (1, 4, True, 64, False), (1, 8, True, 64, True, False, 2),
+                                     (1, 8, True, 64, True, True, 2, True)],
+                         ids=["default", "cublas_wgrad", "recompute2", "wgmma_backward"])
 def test_outputs_poisoned_before_the_run_are_overwritten(variant):
     """Outputs and the stash start as NaN: every output is written, and the backward reads only stash arrays its
     forward_train wrote (with recomputed activations, the first layers' arrays stay NaN)."""
@@ -269,6 +270,14 @@ def test_outputs_poisoned_before_the_run_are_overwritten(variant):
     flat = torch.cat([p.grad.flatten() for p in ref.parameters()])
     assert rel(grads, flat) < 1e-2
     assert rel(dx, xr.grad) < 1e-2
+    # The gradients in the MLP's dtype (what FusedMLP asks for): the float32 sums rounded once, every entry written.
+    grads16 = torch.full((e.num_parameters,), float("nan"), device=dev, dtype=torch.float16)
+    e.backward(packed, x, y, dy, stash, ws, grads16, None, stream)
+    torch.cuda.synchronize()
+    assert torch.isfinite(grads16).all()
+    assert rel(grads16, grads) < 2e-3
+    with pytest.raises(ValueError, match="gradient buffer has dtype bfloat16, expected float16"):
+        e.backward(packed, x, y, dy, stash, ws, grads16.view(torch.bfloat16), None, stream)
 
 
 def test_dx_only_when_asked_and_parameter_grads_only_when_needed():
