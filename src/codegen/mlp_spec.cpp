@@ -82,7 +82,8 @@ std::string recompute_problem(const MlpSpec& spec, const MlpVariant& v) {
          << "' needs its pre-activation in the backward; it cannot be recomputed";
       return os.str();
     }
-    if (!plan.layers[l + 1].weight) {
+    // (the wgmma backward stores a recomputed input of an external layer to the stash for cuBLAS itself)
+    if (!v.wgmma_backward && !plan.layers[l + 1].weight) {
       os << "layer " << l + 1 << "'s weight gradient does not fit the kernel's register or shared-memory budget "
          << "and is a cuBLAS GEMM over the stashed input, so layer " << l
          << "'s output cannot be recomputed; use recompute <= " << l << " or more warps";

@@ -10,8 +10,15 @@ namespace {
 int round64(int v) { return (v + 63) / 64 * 64; }
 
 // The cheaper orientation of layer l's weight-gradient MMA (m_tiles = 0: neither fits an MMA's N <= 256).
-WgmmaBackwardLayerPlan layer_plan(const MlpSpec& s, int l) {
+WgmmaBackwardLayerPlan layer_plan(const MlpSpec& s, int l, bool external) {
   const int out_p = s.layer_out_padded(l), in_p = s.layer_in_padded(l);
+  if (external) {
+    WgmmaBackwardLayerPlan e;
+    e.external = true;
+    e.m_tiles = round64(out_p) / 64;
+    e.n = s.has_bias(l) ? 8 : 0;
+    return e;
+  }
   WgmmaBackwardLayerPlan normal, transposed;
   normal.m_tiles = in_p + 8 <= 256 ? round64(out_p) / 64 : 0;
   normal.n = in_p + 8;
@@ -26,47 +33,20 @@ WgmmaBackwardLayerPlan layer_plan(const MlpSpec& s, int l) {
 
 std::string cat_ull(int64_t v) { return cat(v, "u"); }
 
-}  // namespace
-
-std::string wgmma_backward_problem(const MlpSpec& s, const MlpVariant& v) {
-  if (!v.wgmma_backward) return "";
-  if (!v.wgmma) return "the wgmma backward needs the wgmma forward (wgmma) as well";
-  if (!v.fused_wgrad) return "the wgmma backward needs fused weight gradients (fused_wgrad)";
-  if (v.m_tiles != 1) return "the wgmma backward needs m_tiles = 1 (one 64-row chain per warpgroup)";
-  if (v.warps % 4 != 0) return "the wgmma backward needs whole warpgroups (warps a multiple of 4)";
-  if (v.recompute != s.num_layers() - 1)
-    return cat("the wgmma backward recomputes every hidden output: recompute must be ", s.num_layers() - 1);
-  int floats = 0;
-  for (int l = 0; l < s.num_layers(); ++l) {
-    const WgmmaBackwardLayerPlan p = layer_plan(s, l);
-    if (p.m_tiles == 0)
-      return cat("layer ", l, "'s weight gradient (", s.layer_out(l), " x ", s.layer_in(l),
-                 ") has no wgmma shape (input width ", s.layer_in_padded(l), " is over 248 and not a multiple of 64)");
-    floats += p.accumulator_floats();
-  }
-  if (floats > kMaxWgmmaWgradAccumulatorFloats)
-    return cat("its weight-gradient accumulators need ", floats, " floats per thread, more than the ",
-               kMaxWgmmaWgradAccumulatorFloats, " that fit beside the chain");
-  return "";
-}
-
-WgmmaBackwardPlan wgmma_backward_plan(const MlpSpec& s, const MlpVariant& v) {
+// The plan for a given set of external layers (every field but the gradient vector's).
+WgmmaBackwardPlan plan_with(const MlpSpec& s, const MlpVariant& v, const std::vector<bool>& external) {
   WgmmaBackwardPlan p;
   const int L = s.num_layers();
   p.warpgroups = std::max(1, v.warps / 4);
   int64_t at = 0;
-  for (int l = 0; l < L - 1; ++l) {
-    p.fwd_weight_offset.push_back(at);
+  for (int l = 0; l < L; ++l) {
+    p.weight_offset.push_back(at);
     at += int64_t(s.layer_out_padded(l)) * s.layer_in_padded(l) * 2;
   }
   for (int l = 0; l < L; ++l) {
-    p.bwd_weight_offset.push_back(at);
-    at += int64_t(s.layer_out_padded(l)) * s.layer_in_padded(l) * 2;
-  }
-  for (int l = 0; l < L; ++l) {
-    p.layers.push_back(layer_plan(s, l));
-    p.accumulator_floats += p.layers.back().accumulator_floats();
+    p.layers.push_back(layer_plan(s, l, external[l]));
     const WgmmaBackwardLayerPlan& lp = p.layers.back();
+    p.accumulator_floats += lp.accumulator_floats();
     p.dz_units = std::max(p.dz_units, lp.transposed ? s.layer_out_padded(l) / 8 : lp.m_tiles * 8);
   }
   p.warpgroup_offset = (at + 127) / 128 * 128;
@@ -77,15 +57,16 @@ WgmmaBackwardPlan wgmma_backward_plan(const MlpSpec& s, const MlpVariant& v) {
   wg += 2 * p.x_tile_bytes;
   for (int j = 0; j < L - 1; ++j) {
     p.h_units.push_back(s.layer_out_padded(j) / 8 + 1);
-    p.h_tile_offset.push_back(wg);
-    wg += int64_t(64) * p.h_units.back() * 16;
+    p.h_tile_offset.push_back(external[j + 1] ? -1 : wg);
+    if (!external[j + 1]) wg += int64_t(64) * p.h_units.back() * 16;
   }
   p.dz_tile_offset = wg;
   p.dz_tile_bytes = int64_t(64) * p.dz_units * 16;
   wg += 2 * p.dz_tile_bytes;
   p.warpgroup_bytes = wg;
-  const WgradPlan wgrad = mlp_wgrad_plan(s, v);
-  p.grad_floats = wgrad.grad_floats;
+  // The end-of-kernel reduction: the gradient vector (mlp_wgrad_plan's layout: every parameter, true widths), then
+  // the transposed layers' bias sums.
+  for (int l = 0; l < L; ++l) p.grad_floats += int64_t(s.layer_out(l)) * (s.layer_in(l) + (s.has_bias(l) ? 1 : 0));
   int64_t reduce = p.grad_floats;
   for (int l = 0; l < L; ++l) {
     const bool sums = p.layers[l].transposed && s.has_bias(l);
@@ -96,12 +77,70 @@ WgmmaBackwardPlan wgmma_backward_plan(const MlpSpec& s, const MlpVariant& v) {
   return p;
 }
 
+// A layer inside the kernel with no MMA shape (the problem text), or "".
+std::string shape_problem(const MlpSpec& s, const std::vector<bool>& external) {
+  for (int l = 0; l < s.num_layers(); ++l)
+    if (!external[l] && layer_plan(s, l, false).m_tiles == 0)
+      return cat("layer ", l, "'s weight gradient (", s.layer_out(l), " x ", s.layer_in(l),
+                 ") has no wgmma shape (input width ", s.layer_in_padded(l), " is over 248 and not a multiple of 64)");
+  return "";
+}
+
+// External layers, widest accumulators first, until the accumulators and shared memory fit (a layer without an MMA
+// shape is external from the start). Returns false where even all of them external does not fit.
+bool choose_external(const MlpSpec& s, const MlpVariant& v, std::vector<bool>& external) {
+  const int L = s.num_layers();
+  external.assign(L, false);
+  for (int l = 0; l < L; ++l) external[l] = layer_plan(s, l, false).m_tiles == 0;
+  for (;;) {
+    const WgmmaBackwardPlan p = plan_with(s, v, external);
+    if (p.accumulator_floats <= kMaxWgmmaWgradAccumulatorFloats && p.smem_bytes <= kWgmmaBackwardSmemBudget)
+      return true;
+    int widest = -1;
+    for (int l = 0; l < L; ++l)
+      if (!external[l] && (widest < 0 || p.layers[l].accumulator_floats() > p.layers[widest].accumulator_floats()))
+        widest = l;
+    if (widest < 0) return false;
+    external[widest] = true;
+  }
+}
+
+}  // namespace
+
+std::string wgmma_backward_problem(const MlpSpec& s, const MlpVariant& v) {
+  if (!v.wgmma_backward) return "";
+  if (!v.wgmma) return "the wgmma backward needs the wgmma forward (wgmma) as well";
+  if (!v.fused_wgrad) return "the wgmma backward needs fused weight gradients (fused_wgrad)";
+  if (v.m_tiles != 1) return "the wgmma backward needs m_tiles = 1 (one 64-row chain per warpgroup)";
+  if (v.warps % 4 != 0) return "the wgmma backward needs whole warpgroups (warps a multiple of 4)";
+  if (v.recompute != s.num_layers() - 1)
+    return cat("the wgmma backward recomputes every hidden output: recompute must be ", s.num_layers() - 1);
+  std::vector<bool> external;
+  if (!choose_external(s, v, external)) {
+    const WgmmaBackwardPlan p = plan_with(s, v, external);
+    return cat("it does not fit even with every weight gradient outside the kernel: ", p.accumulator_floats,
+               " accumulator floats per thread (budget ", kMaxWgmmaWgradAccumulatorFloats, "), ", p.smem_bytes,
+               " bytes of shared memory (budget ", kWgmmaBackwardSmemBudget, ")");
+  }
+  return shape_problem(s, external);
+}
+
+std::vector<bool> wgmma_backward_external_layers(const MlpSpec& s, const MlpVariant& v) {
+  std::vector<bool> external;
+  choose_external(s, v, external);
+  return external;
+}
+
+WgmmaBackwardPlan wgmma_backward_plan(const MlpSpec& s, const MlpVariant& v) {
+  return plan_with(s, v, wgmma_backward_external_layers(s, v));
+}
+
 void wgmma_backward_widths(const MlpSpec& s, const WgmmaBackwardPlan& plan, std::set<int>& register_a,
-                           std::set<int>& shared_a) {
+                           std::set<int>& register_a_mn, std::set<int>& shared_a) {
   for (int l = 0; l < s.num_layers(); ++l) {
     if (l < s.num_layers() - 1) register_a.insert(s.layer_out_padded(l));  // the recompute
-    register_a.insert(s.layer_in_padded(l));                                // the chain (layer 0: _dx only)
-    shared_a.insert(plan.layers[l].n);
+    register_a_mn.insert(s.layer_in_padded(l));                             // the chain (layer 0: _dx only)
+    if (plan.layers[l].n) shared_a.insert(plan.layers[l].n);
   }
 }
 
@@ -113,12 +152,19 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
   auto tile = [](const std::string& base, int64_t offset) { return cat("(", base, " + ", offset, "u)"); };
   const std::string dz_tile[2] = {tile("wgs", p.dz_tile_offset), tile("wgs", p.dz_tile_offset + p.dz_tile_bytes)};
   auto h_tile = [&](int j) { return tile("wgs", p.h_tile_offset[j]); };
+  // Hidden output j's stash array (written here where layer j + 1 is external; cuBLAS reads it).
+  auto h_stash = [&](int j) { return cat("const_cast<u16*>(p.stash) + ", m.stash_h_offset[j], " * p.batch"); };
   // Layer l's input tile (its weight gradient's h operand): x or the recomputed output of layer l - 1.
   auto input_tile = [&](int l) { return l == 0 ? std::string("xt") : h_tile(l - 1); };
   auto input_units = [&](int l) { return l == 0 ? p.x_units : p.h_units[l - 1]; };
   auto x_copy_into = [&](const std::string& buffer, const std::string& blk) {
     return cat("copy_rows_zero_fill<16, ", s.input_width, ", ", in0, ", 0, 32, ", p.x_units, ">(", buffer,
                " + (wr >> 3) * ", p.x_units * 128, "u, p.x, ", blk, " * ROWS + wg * 64 + wr, p.batch, lane);");
+  };
+  // Hidden layer j's f' reads h_j from the stash (no tile) and needs y: prefetched before the wait for g_j.
+  auto prefetched = [&](int j) {
+    const Activation& a = s.layer_activation(j);
+    return j < L - 1 && !p.has_h_tile(j) && !a.is_identity() && a.derivative_uses_y();
   };
 
   const std::string name = dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward";
@@ -132,22 +178,18 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
      << m.bwd_region_byte_offset << ");\n"
      << "  const float* fwd_bias = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(p.w) + "
      << m.bias_byte_offset - m.bwd_region_byte_offset << ");\n"
-     << "  // resident weights -> core matrices: the hidden layers' forward, the chain's transposed\n";
-  for (int l = 0; l < L - 1; ++l)
+     << "  // resident weights, once: K-major B of the recompute, MN-major B of the chain\n";
+  for (int l = 0; l < L; ++l)
     os << "  copy_core_matrices<" << s.layer_out_padded(l) << ", " << s.layer_in_padded(l) << ", "
-       << s.layer_in_padded(l) + 8 << ", THREADS>(smem + " << cat_ull(p.fwd_weight_offset[l]) << ", fwd_w + "
+       << s.layer_in_padded(l) + 8 << ", THREADS>(smem + " << cat_ull(p.weight_offset[l]) << ", fwd_w + "
        << m.fwd_weight_offset[l] << ");\n";
   const int last_dgrad = dx ? 0 : 1;
-  for (int l = L - 1; l >= last_dgrad; --l)
-    os << "  copy_core_matrices<" << s.layer_in_padded(l) << ", " << s.layer_out_padded(l) << ", "
-       << s.layer_out_padded(l) + 8 << ", THREADS>(smem + " << cat_ull(p.bwd_weight_offset[l]) << ", p.w + "
-       << m.bwd_weight_offset[l] << ");\n";
   for (int l = 0; l < L - 1; ++l)
-    os << "  const unsigned long long fdesc" << l << " = wgmma_desc(smem + " << cat_ull(p.fwd_weight_offset[l])
-       << ", " << s.layer_in_padded(l) << ");\n";
+    os << "  const unsigned long long fdesc" << l << " = wgmma_desc(smem + " << cat_ull(p.weight_offset[l]) << ", "
+       << s.layer_in_padded(l) << ");\n";
   for (int l = L - 1; l >= last_dgrad; --l)
-    os << "  const unsigned long long bdesc" << l << " = wgmma_desc(smem + " << cat_ull(p.bwd_weight_offset[l])
-       << ", " << s.layer_out_padded(l) << ");\n";
+    os << "  const unsigned long long cdesc" << l << " = wgmma_desc_mn<" << s.layer_in_padded(l) / 8 << ">(smem + "
+       << cat_ull(p.weight_offset[l]) << ");\n";
   os << "  const u32 wgs = smem + " << cat_ull(p.warpgroup_offset) << " + wg * " << cat_ull(p.warpgroup_bytes)
      << ";  // this warpgroup's tiles\n"
      << "  const u32 xt0 = " << tile("wgs", p.x_tile_offset) << ";\n"
@@ -156,14 +198,15 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
      << "  fill_unit_column<" << p.x_units << ">(xt0 + " << cat_ull(p.x_tile_bytes) << ", " << p.x_units - 1
      << ", threadIdx.x & 127);\n";
   for (int j = 0; j < L - 1; ++j)
-    os << "  fill_unit_column<" << p.h_units[j] << ">(" << h_tile(j) << ", " << p.h_units[j] - 1
-       << ", threadIdx.x & 127);\n";
+    if (p.has_h_tile(j))
+      os << "  fill_unit_column<" << p.h_units[j] << ">(" << h_tile(j) << ", " << p.h_units[j] - 1
+         << ", threadIdx.x & 127);\n";
   os << "  if (blockIdx.x < p.num_blocks) " << x_copy_into("xt0", "(i64)blockIdx.x") << "\n"
      << "  cp_async_commit();\n  cp_async_wait_all();\n  fence_async_shared();\n  __syncthreads();\n";
   // The weight-gradient accumulators and bias sums, for the CTA's life.
   for (int l = 0; l < L; ++l) {
     const WgmmaBackwardLayerPlan& lp = p.layers[l];
-    for (int t = 0; t < lp.m_tiles; ++t)
+    for (int t = 0; t < lp.m_tiles && lp.n; ++t)
       os << "  float wa" << l << "_" << t << "[1][" << lp.n / 8 << "][4];\n  zero_acc(wa" << l << "_" << t << ");\n";
     if (lp.bias_floats) os << "  float bs" << l << "[" << s.layer_out_padded(l) / 8 << "][2] = {};\n";
   }
@@ -178,7 +221,8 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
                                                                  "(blk + gridDim.x)")
      << "\n    cp_async_commit();\n";
 
-  // 1. The recompute: the wgmma forward's chain over the hidden layers, each output into its tile.
+  // 1. The recompute: the wgmma forward's chain over the hidden layers, each output into its tile or its stash
+  //    array.
   os << "    u32 ra0[1][" << in0 / 16 << "][4];\n"
      << "    load_a_units<" << p.x_units << ">(ra0, xt, wr, lane);\n";
   for (int l = 0; l < L - 1; ++l) {
@@ -194,8 +238,12 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
     if (!s.layer_activation(l).is_identity())
       os << "    apply_act<" << activation_struct_name(l) << ">(" << acc << ");\n";
     os << "    u32 ra" << l + 1 << "[1][" << n / 16 << "][4];\n"
-       << "    to_a(" << acc << ", ra" << l + 1 << ");\n"
-       << "    store_a_units<" << p.h_units[l] << ">(" << h_tile(l) << ", ra" << l + 1 << ", wr, lane);\n";
+       << "    to_a(" << acc << ", ra" << l + 1 << ");\n";
+    if (p.has_h_tile(l))
+      os << "    store_a_units<" << p.h_units[l] << ">(" << h_tile(l) << ", ra" << l + 1 << ", wr, lane);\n";
+    else
+      os << "    store_a_global<" << n << ">(" << h_stash(l) << ", ra" << l + 1
+         << ", row, p.batch, q);  // layer " << l + 1 << "'s weight gradient is cuBLAS's\n";
   }
 
   // 2. The chain.
@@ -208,7 +256,7 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
     const std::string g = cat("g", l), d = cat("d", l);
     const Activation& act = s.layer_activation(l);
     os << "    // layer " << l << " (" << s.layer_in(l) << " -> " << s.layer_out(l) << ", " << act.name
-       << "): dz = dL/dh * f'\n";
+       << (lp.external ? ", weight gradient by cuBLAS" : "") << "): dz = dL/dh * f'\n";
     if (!act.is_identity()) {
       if (m.stash_z_offset[l] >= 0) {  // only the output layer's can be (the hidden ones are recomputed)
         os << "    {\n      float t[1][" << n / 8 << "][4];\n      load_c<" << n << ", " << n << ">(t, p.stash + "
@@ -218,8 +266,10 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
         os << "    {\n      float t[1][" << n / 8 << "][4];\n";
         if (l == L - 1)
           os << "      load_c<" << s.output_width << ", " << s.output_width << ">(t, p.y, row, p.batch, q);\n";
-        else
+        else if (p.has_h_tile(l))
           os << "      load_c_units<" << p.h_units[l] << ">(t, " << h_tile(l) << ", wr, lane);\n";
+        else
+          os << "      unpack_pairs(t, hp" << l << ");\n";
         os << "      dact_from_y<" << activation_struct_name(l) << ">(" << g << ", t);\n    }\n";
       } else {
         os << "    dact_const<" << activation_struct_name(l) << ">(" << g << ");\n";
@@ -227,37 +277,60 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
       if (l == L - 1 && s.output_width % 16 != 0) os << "    mask_columns<" << s.output_width << ">(" << g << ", q);\n";
     }
     if (lp.bias_floats) os << "    add_row_sums(bs" << l << ", " << g << ");\n";
-    os << "    u32 " << d << "[1][" << n / 16 << "][4];\n    to_a(" << g << ", " << d << ");\n"
-       << "    store_a_units<" << p.dz_units << ">(" << dz_tile[l % 2] << ", " << d << ", wr, lane);\n";
-    if (!lp.transposed && n < lp.m_tiles * 64)
-      os << "    zero_units<" << p.dz_units << ", " << n / 8 << ", " << lp.m_tiles * 8 << ">(" << dz_tile[l % 2]
-         << ", wr, lane);  // M padding\n";
-    os << "    fence_async_shared();\n"
-       << "    warpgroup_barrier(wg);  // the warpgroup's dz rows in place for the weight gradient\n";
+    os << "    u32 " << d << "[1][" << n / 16 << "][4];\n    to_a(" << g << ", " << d << ");\n";
+    if (lp.external)
+      os << "    store_a_global<" << n << ">(p.dz + " << m.dz_offset[l] << " * p.batch, " << d
+         << ", row, p.batch, q);  // for cuBLAS\n";
+    const bool weight_group = lp.n > 0;
+    if (weight_group) {
+      os << "    store_a_units<" << p.dz_units << ">(" << dz_tile[l % 2] << ", " << d << ", wr, lane);\n";
+      if (!lp.transposed && n < lp.m_tiles * 64)
+        os << "    zero_units<" << p.dz_units << ", " << n / 8 << ", " << lp.m_tiles * 8 << ">(" << dz_tile[l % 2]
+           << ", wr, lane);  // M padding\n";
+      os << "    fence_async_shared();\n"
+         << "    warpgroup_barrier(wg);  // the warpgroup's dz rows in place for the weight gradient\n";
+    }
     const bool chain_goes_on = l > 0 || dx;
     const std::string next = l > 0 ? cat("g", l - 1) : std::string("gx");
     if (chain_goes_on)
       os << "    float " << next << "[1][" << k / 8 << "][4];\n    zero_acc(" << next << ");\n"
-         << "    wgmma_fence();\n    wgmma_layer(" << next << ", " << d << ", bdesc" << l << ");\n"
-         << "    wgmma_commit();\n";
-    else
+         << "    wgmma_fence();\n    wgmma_layer_mn<" << k / 8 << ">(" << next << ", " << d << ", cdesc" << l
+         << ");\n    wgmma_commit();\n";
+    else if (weight_group)
       os << "    wgmma_fence();\n";
-    // The weight gradient: A and B descriptors of each 16-row k-step and M tile.
-    const std::string in_tile = input_tile(l);
-    const int in_units = input_units(l);
-    const std::string a_tile = lp.transposed ? in_tile : dz_tile[l % 2];
-    const std::string b_tile = lp.transposed ? dz_tile[l % 2] : in_tile;
-    const int a_units = lp.transposed ? in_units : p.dz_units, b_units = lp.transposed ? p.dz_units : in_units;
-    os << "    {\n      const unsigned long long da = wgmma_desc_mn<" << a_units << ">(" << a_tile
-       << "), db = wgmma_desc_mn<" << b_units << ">(" << b_tile << ");\n"
-       << "#pragma unroll\n      for (int ks = 0; ks < 4; ++ks) {\n";
-    for (int t = 0; t < lp.m_tiles; ++t)
-      os << "        wgmma_mma_ss(wa" << l << "_" << t << ", da + " << t * 64 << "ull + ks * " << 16 * a_units
-         << "ull, db + ks * " << 16 * b_units << "ull);\n";
-    os << "      }\n    }\n    wgmma_commit();\n";
+    if (weight_group) {
+      // The weight gradient (the bias's alone for an external layer): A and B descriptors of each 16-row k-step
+      // and M tile.
+      std::string a_tile, b_tile;
+      int a_units, b_units;
+      if (lp.external) {
+        a_tile = dz_tile[l % 2], a_units = p.dz_units;
+        b_tile = cat("(xt + ", (p.x_units - 1) * 128, "u)"), b_units = p.x_units;  // the ones unit
+      } else {
+        const std::string in_tile = input_tile(l);
+        const int in_units = input_units(l);
+        a_tile = lp.transposed ? in_tile : dz_tile[l % 2];
+        b_tile = lp.transposed ? dz_tile[l % 2] : in_tile;
+        a_units = lp.transposed ? in_units : p.dz_units, b_units = lp.transposed ? p.dz_units : in_units;
+      }
+      os << "    {\n      const unsigned long long da = wgmma_desc_mn<" << a_units << ">(" << a_tile
+         << "), db = wgmma_desc_mn<" << b_units << ">(" << b_tile << ");\n"
+         << "#pragma unroll\n      for (int ks = 0; ks < 4; ++ks) {\n";
+      for (int t = 0; t < lp.m_tiles; ++t)
+        os << "        wgmma_mma_ss(wa" << l << "_" << t << ", da + " << t * 64 << "ull + ks * " << 16 * a_units
+           << "ull, db + ks * " << 16 * b_units << "ull);\n";
+      os << "      }\n    }\n    wgmma_commit();\n";
+    }
+    // The stash reads of the next layer's f' go out before the wait, under the MMAs.
+    if (l > 0 && prefetched(l - 1))
+      os << "    u32 hp" << l - 1 << "[" << s.layer_out_padded(l - 1) / 8 << "][2];\n    load_pairs<"
+         << s.layer_out_padded(l - 1) << ">(hp" << l - 1 << ", " << h_stash(l - 1) << ", row, p.batch, q);\n";
     if (chain_goes_on) {
-      os << "    wgmma_wait<1>();  // the data gradient; the weight gradient runs on\n"
-         << "    wgmma_fence_acc(" << next << ");\n";
+      if (weight_group)
+        os << "    wgmma_wait<1>();  // the data gradient; the weight gradient runs on\n";
+      else
+        os << "    wgmma_wait<0>();\n";
+      os << "    wgmma_fence_acc(" << next << ");\n";
     }
     if (l == 0 && dx)
       os << "    store_c<" << s.input_width << ", " << s.input_width << ">(gx, p.dx, row, p.batch, q);\n";
@@ -275,11 +348,14 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
   for (int l = 0; l < L; ++l) {
     const WgmmaBackwardLayerPlan& lp = p.layers[l];
     const int64_t bias_at = wgrad.grad_bias_offset[l];
+    if (!lp.n) continue;
+    // An external layer's accumulators are its bias's alone: the normal form with no input columns.
+    const int in = lp.external ? 0 : s.layer_in(l), in_p = lp.external ? 0 : s.layer_in_padded(l);
     for (int t = 0; t < lp.m_tiles; ++t)
       os << "      add_wgrad<" << (lp.transposed ? "true" : "false") << ", "
-         << (!lp.transposed && s.has_bias(l) ? "true" : "false") << ", " << s.layer_out(l) << ", " << s.layer_in(l)
-         << ", " << s.layer_in_padded(l) << ", " << t * 64 << ">(wa" << l << "_" << t << ", red + "
-         << wgrad.grad_weight_offset[l] << ", red + " << (bias_at >= 0 ? bias_at : 0) << ", warp & 3, lane);\n";
+         << (!lp.transposed && s.has_bias(l) ? "true" : "false") << ", " << s.layer_out(l) << ", " << in << ", "
+         << in_p << ", " << t * 64 << ">(wa" << l << "_" << t << ", red + " << wgrad.grad_weight_offset[l]
+         << ", red + " << (bias_at >= 0 ? bias_at : 0) << ", warp & 3, lane);\n";
   }
   os << "    }\n    __syncthreads();\n  }\n";
   for (int l = 0; l < L; ++l)

@@ -8,7 +8,8 @@
 
 namespace kfuse::codegen {
 
-void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& shared_a) {
+void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& register_a_mn,
+                         const std::set<int>& shared_a) {
   os << R"KFUSE(
 // Hopper warpgroup MMA (wgmma). The four warps of a warpgroup issue each instruction together: it multiplies 64
 // rows (16 per warp; the A fragments in registers exactly as mma.sync's m16n8k16 A operand) by a K = 16 slice of
@@ -162,6 +163,42 @@ __device__ __forceinline__ void store_row_sums(float (&s)[NT][2], float* scratch
       if (lane < 4) scratch[warp * OUT_P + nt * 8 + 2 * lane + e] = v;
     }
 }
+// A warp's A fragments (16-bit pairs) straight to global rows of LD halves (the thread's rows `row` and row + 8;
+// rows >= batch skipped): where a tile's content goes to the stash or the workspace for cuBLAS. Register i of
+// k-step kt holds row + 8 (i & 1), columns 16 kt + 8 (i >> 1) + 2q.
+template <int LD, int KT>
+__device__ __forceinline__ void store_a_global(u16* __restrict__ out, const u32 (&a)[1][KT][4], i64 row, i64 batch,
+                                               int q) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const i64 r = row + 8 * (i & 1);
+    if (r >= batch) continue;
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+      *reinterpret_cast<u32*>(out + r * LD + 16 * kt + 8 * (i >> 1) + 2 * q) = a[0][kt][i];
+  }
+}
+// The thread's C-layout pairs of rows `row` and row + 8 of a global array of rows of W halves, as packed 16-bit
+// pairs (half the registers of floats while they wait: a prefetch); zero beyond the batch.
+template <int W, int NT>
+__device__ __forceinline__ void load_pairs(u32 (&v)[NT][2], const u16* __restrict__ in, i64 row, i64 batch, int q) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      v[nt][h] = row + 8 * h < batch ? __ldg(reinterpret_cast<const unsigned int*>(in + (row + 8 * h) * W + 8 * nt + 2 * q))
+                                     : 0u;
+}
+template <int NT>
+__device__ __forceinline__ void unpack_pairs(float (&t)[1][NT][4], const u32 (&v)[NT][2]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      t[0][nt][2 * h] = from_bits(static_cast<u16>(v[nt][h] & 0xffffu));
+      t[0][nt][2 * h + 1] = from_bits(static_cast<u16>(v[nt][h] >> 16));
+    }
+}
 // Adds one 64-row M tile (from M0) of a weight-gradient accumulator into the gradient sums (PyTorch's (OUT, IN)
 // layout, true widths). Normal: m = output feature, n = input feature, column IN_P = the ones unit's (the bias
 // gradient, into bias). Transposed: m = input feature, n = output feature.
@@ -204,6 +241,10 @@ __device__ __forceinline__ void add_wgrad(const float (&d)[1][NT][4], float* w, 
     mma_function("wgmma_mma", n, "const u32 (&a)[4], unsigned long long desc, int scale_d = 1", "{#0,#1,#2,#3}, #4",
                  5, "1, 1, 0",
                  "\"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(scale_d)");
+  // A in registers, B MN-major (imm-trans-b = 1): the wgmma backward's chain, dz_l W_l, on the forward's weights.
+  for (int n : register_a_mn)
+    mma_function("wgmma_mma_mn", n, "const u32 (&a)[4], unsigned long long desc", "{#0,#1,#2,#3}, #4", 5, "1, 1, 1",
+                 "\"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(1)");
   // Both operands from shared memory, both MN-major (imm-trans-a = imm-trans-b = 1): the weight gradients.
   for (int n : shared_a)
     mma_function("wgmma_mma_ss", n, "unsigned long long desc_a, unsigned long long desc_b", "#0, #1", 2,
@@ -213,6 +254,13 @@ template <int NT, int KT>
 __device__ __forceinline__ void wgmma_layer(float (&d)[1][NT][4], const u32 (&a)[1][KT][4], unsigned long long desc) {
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) wgmma_mma(d, a[0][kt], desc + static_cast<unsigned long long>(kt * 16));
+}
+// The same over an MN-major B of UNITS 16-byte units per K row (the next K = 16 slice: 16 rows further).
+template <int UNITS, int NT, int KT>
+__device__ __forceinline__ void wgmma_layer_mn(float (&d)[1][NT][4], const u32 (&a)[1][KT][4],
+                                               unsigned long long desc) {
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) wgmma_mma_mn(d, a[0][kt], desc + static_cast<unsigned long long>(kt * 16 * UNITS));
 }
 
 )KFUSE";

@@ -4,6 +4,7 @@
 #include <tuple>
 
 #include "codegen/mlp_layout.h"
+#include "codegen/mlp_wgmma_backward.h"
 
 namespace kfuse::codegen {
 namespace {
@@ -60,10 +61,12 @@ WgradPlan mlp_wgrad_plan(const MlpSpec& s, const MlpVariant& v) {
   }
   p.grad_floats = grad;
   p.partial_stride_floats = (grad + 31) / 32 * 32;
-  // The wgmma backward (codegen/mlp_wgmma_backward.h) keeps every gradient inside with its own budget and shared
-  // memory: only the gradient vector's layout above applies to it.
+  // The wgmma backward (codegen/mlp_wgmma_backward.h) has its own budget, shared memory and choice of external
+  // layers: only the gradient vector's layout above and which weight gradients are outside apply to it.
   if (v.wgmma_backward) {
     p.recompute = std::clamp(v.recompute, 0, L - 1);
+    const std::vector<bool> external = wgmma_backward_external_layers(s, v);
+    for (int l = 0; l < L; ++l) p.layers[l].weight = !external[l];
     return p;
   }
   // Weight gradients outside the kernel, widest first, until the accumulators fit (biases always inside).

@@ -156,6 +156,13 @@ TEST(MlpVariants, NamesAreStable) {
   EXPECT_EQ((MlpVariant{1, 8, true, 64, true, true, 4, true}).name(), "mt1_w8_resident_fw_wg_rc4_wgb");
 }
 
+// How often `what` occurs in `text`.
+int count_of(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 TEST(MlpVariants, WgmmaBackwardPlanAndWhatItNeeds) {
   const MlpSpec s = make_spec(32, {64, 64, 64, 64}, 16);
   const MlpVariant v{1, 8, true, 64, true, true, 4, true};
@@ -175,8 +182,11 @@ TEST(MlpVariants, WgmmaBackwardPlanAndWhatItNeeds) {
   EXPECT_EQ(p.dz_units, 8);
   EXPECT_EQ(p.x_units, 5);
   EXPECT_EQ(p.h_units, (std::vector<int>{9, 9, 9, 9}));
-  // Weights (forward of 4 hidden layers, transposed of all 5), then per warpgroup two x, four h and two dz tiles.
-  EXPECT_EQ(p.warpgroup_offset, (64 * 32 + 3 * 64 * 64) * 2 + (64 * 32 + 3 * 64 * 64 + 16 * 64) * 2);
+  // Every layer's weights once (the chain reads the forward's core matrices MN-major), then per warpgroup two x,
+  // four h and two dz tiles.
+  EXPECT_EQ(p.warpgroup_offset, (64 * 32 + 3 * 64 * 64 + 16 * 64) * 2);
+  for (const auto& l : p.layers) EXPECT_FALSE(l.external);
+  EXPECT_TRUE(codegen::mlp_wgrad_plan(s, v).all_weights());
   EXPECT_EQ(p.warpgroup_bytes, 64 * 16 * (2 * 5 + 4 * 9 + 2 * 8));
   EXPECT_EQ(mlp_backward_smem_bytes(s, v), size_t(p.warpgroup_offset + 2 * p.warpgroup_bytes));
   EXPECT_LE(mlp_backward_smem_bytes(s, v), 227u * 1024);
@@ -196,14 +206,40 @@ TEST(MlpVariants, WgmmaBackwardPlanAndWhatItNeeds) {
   EXPECT_NE(problem(x).find("needs fused weight gradients"), std::string::npos);
   const MlpSpec w256 = make_spec(32, {256, 256}, 16);
   EXPECT_NE(error_of([&] { validate_variant(w256, {1, 8, true, 64, true, true, 2, true}); })
-                .find("accumulators need"),
+                .find("does not fit even with every weight gradient outside the kernel"),
             std::string::npos);
+  // Width 128: the three 128 x 128 weight gradients are external (cuBLAS; the kernel keeps their biases, N = 8 on
+  // the x tile's ones unit), the first and the output layer's stay inside; only h3 (the output layer's input) keeps
+  // a tile, h0..h2 go to their stash arrays, dz1..dz3 to the workspace.
+  const MlpSpec w128 = make_spec(32, {128, 128, 128, 128}, 16);
+  const codegen::WgmmaBackwardPlan p128 = codegen::wgmma_backward_plan(w128, v);
+  EXPECT_NO_THROW(validate_variant(w128, v));
+  for (int l = 0; l < 5; ++l) EXPECT_EQ(p128.layers[l].external, l >= 1 && l <= 3) << l;
+  EXPECT_EQ(p128.layers[2].n, 8);
+  EXPECT_EQ(p128.accumulator_floats, 40 + 3 * 8 + 16 + 4);
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(p128.has_h_tile(j), j == 3) << j;
+  EXPECT_LE(p128.smem_bytes, 227 * 1024);
+  const codegen::WgradPlan wg128 = codegen::mlp_wgrad_plan(w128, v);
+  for (int l = 0; l < 5; ++l) EXPECT_EQ(wg128.layers[l].weight, !p128.layers[l].external) << l;
+  const codegen::MlpLayout m128 = codegen::mlp_layout(w128);
+  const std::string src128 = codegen::generate_mlp_source(w128, v, codegen::MlpModulePart::kBackward);
+  for (int l = 1; l <= 3; ++l) {
+    // (two kernels: with and without dx)
+    EXPECT_EQ(count_of(src128, "store_a_global<128>(p.dz + " + std::to_string(m128.dz_offset[l]) + " * p.batch"), 2)
+        << l;
+    EXPECT_EQ(count_of(src128, "store_a_global<128>(const_cast<u16*>(p.stash) + " +
+                                   std::to_string(m128.stash_h_offset[l - 1]) + " * p.batch"),
+              2)
+        << l;
+  }
+  EXPECT_EQ(count_of(src128, "store_a_global<128>(p.dz + " + std::to_string(m128.dz_offset[0])), 0);
   // Candidates: Hopper only, one and two warpgroups at width 64; none at 256.
   auto count_wgb = [](const std::vector<MlpVariant>& c) {
     return std::count_if(c.begin(), c.end(), [](const MlpVariant& x) { return x.wgmma_backward; });
   };
   EXPECT_EQ(count_wgb(mlp_candidate_variants(s, 227 * 1024)), 0);
   EXPECT_EQ(count_wgb(mlp_candidate_variants(s, 227 * 1024, true)), 2);
+  EXPECT_EQ(count_wgb(mlp_candidate_variants(w128, 227 * 1024, true)), 2);
   EXPECT_EQ(count_wgb(mlp_candidate_variants(make_spec(32, {256, 256, 256, 256}, 16), 227 * 1024, true)), 0);
 }
 
@@ -479,6 +515,14 @@ std::vector<CompileCase> compile_cases() {
   odd_wgb.bias = {true, false, true};
   odd_wgb.output_activation = builtin_activation("sigmoid");
   cases.push_back({"wgmma_backward_odd_bf16_sm90a", odd_wgb, {1, 4, true, 64, true, true, 2, true}, "compute_90a"});
+  // With external weight gradients: the bench's width 128 (three of five by cuBLAS), and a bf16 tanh network whose
+  // f' of an external layer's input comes back from the stash, with an external layer without bias.
+  cases.push_back({"wgmma_backward_w128_cubin_sm90a", make_spec(32, {128, 128, 128, 128}, 16),
+                   {1, 8, true, 64, true, true, 4, true}, "sm_90a"});
+  MlpSpec ext_tanh = make_spec(32, {128, 128, 128}, 16, "tanh", MlpDType::kBFloat16);
+  ext_tanh.bias = {true, false, true, true};
+  cases.push_back({"wgmma_backward_external_tanh_bf16_sm90a", ext_tanh, {1, 8, true, 64, true, true, 3, true},
+                   "compute_90a"});
   return cases;
 }
 
