@@ -1,6 +1,7 @@
 #include "codegen/mlp_wgmma_backward.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "codegen/mlp_codegen.h"
 
@@ -162,9 +163,17 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
                " + (wr >> 3) * ", p.x_units * 128, "u, p.x, ", blk, " * ROWS + wg * 64 + wr, p.batch, lane);");
   };
   // Hidden layer j's f' reads h_j from the stash (no tile) and needs y: prefetched before the wait for g_j.
+  // ... or keeps one bit per value from the recompute (relu, leaky_relu: f' from y's sign; A/B switch
+  // KFUSE_MLP_SIGN_BITS=0).
+  const char* sign_env = std::getenv("KFUSE_MLP_SIGN_BITS");
+  const bool sign_bits_on = !(sign_env && std::string(sign_env) == "0");
+  auto sign_kept = [&](int j) {
+    const Activation& a = s.layer_activation(j);
+    return sign_bits_on && j < L - 1 && !p.has_h_tile(j) && !a.is_identity() && a.derivative_from_sign();
+  };
   auto prefetched = [&](int j) {
     const Activation& a = s.layer_activation(j);
-    return j < L - 1 && !p.has_h_tile(j) && !a.is_identity() && a.derivative_uses_y();
+    return j < L - 1 && !p.has_h_tile(j) && !a.is_identity() && a.derivative_uses_y() && !sign_kept(j);
   };
 
   const std::string name = dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward";
@@ -212,7 +221,8 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
   }
   os << "  u32 xb = 0;\n"
      << "  for (i64 blk = blockIdx.x; blk < p.num_blocks; blk += gridDim.x) {\n"
-     << "    const i64 row = blk * ROWS + wg * 64 + wr + (lane >> 2);\n"
+     << "    const i64 wrow = blk * ROWS + wg * 64 + wr;  // the warp's first row\n"
+     << "    const i64 row = wrow + (lane >> 2);\n"
      << "    const u32 xt = xt0 + xb * " << cat_ull(p.x_tile_bytes) << ";\n"
      << "    cp_async_wait_all();\n    __syncwarp();  // this row block's x rows (the warp's own)\n"
      << "    // the next row block's x into the other buffer (its last reader, the previous block's layer-0 weight\n"
@@ -241,9 +251,12 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
        << "    to_a(" << acc << ", ra" << l + 1 << ");\n";
     if (p.has_h_tile(l))
       os << "    store_a_units<" << p.h_units[l] << ">(" << h_tile(l) << ", ra" << l + 1 << ", wr, lane);\n";
-    else
-      os << "    store_a_global<" << n << ">(" << h_stash(l) << ", ra" << l + 1
-         << ", row, p.batch, q);  // layer " << l + 1 << "'s weight gradient is cuBLAS's\n";
+    else  // layer l + 1's weight gradient is cuBLAS's: h_l to the stash, staged in a (still free) dz tile
+      os << "    store_a_units<" << p.dz_units << ">(" << dz_tile[l % 2] << ", ra" << l + 1 << ", wr, lane);\n"
+         << "    __syncwarp();\n    copy_units_out<" << p.dz_units << ", " << n / 8 << ", " << n << ">(" << h_stash(l)
+         << ", " << dz_tile[l % 2] << ", wr, wrow, p.batch, lane);\n    __syncwarp();\n";
+    if (sign_kept(l))
+      os << "    u32 sb" << l << "[" << (n / 2 + 31) / 32 << "];\n    sign_bits(sb" << l << ", ra" << l + 1 << ");\n";
   }
 
   // 2. The chain.
@@ -268,9 +281,12 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
           os << "      load_c<" << s.output_width << ", " << s.output_width << ">(t, p.y, row, p.batch, q);\n";
         else if (p.has_h_tile(l))
           os << "      load_c_units<" << p.h_units[l] << ">(t, " << h_tile(l) << ", wr, lane);\n";
-        else
+        else if (!sign_kept(l))
           os << "      unpack_pairs(t, hp" << l << ");\n";
-        os << "      dact_from_y<" << activation_struct_name(l) << ">(" << g << ", t);\n    }\n";
+        if (sign_kept(l))
+          os << "    }\n    dact_sign<" << activation_struct_name(l) << ">(" << g << ", sb" << l << ");\n";
+        else
+          os << "      dact_from_y<" << activation_struct_name(l) << ">(" << g << ", t);\n    }\n";
       } else {
         os << "    dact_const<" << activation_struct_name(l) << ">(" << g << ");\n";
       }
@@ -278,12 +294,13 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
     }
     if (lp.bias_floats) os << "    add_row_sums(bs" << l << ", " << g << ");\n";
     os << "    u32 " << d << "[1][" << n / 16 << "][4];\n    to_a(" << g << ", " << d << ");\n";
-    if (lp.external)
-      os << "    store_a_global<" << n << ">(p.dz + " << m.dz_offset[l] << " * p.batch, " << d
-         << ", row, p.batch, q);  // for cuBLAS\n";
     const bool weight_group = lp.n > 0;
-    if (weight_group) {
+    if (weight_group || lp.external)
       os << "    store_a_units<" << p.dz_units << ">(" << dz_tile[l % 2] << ", " << d << ", wr, lane);\n";
+    if (lp.external)  // dz_l for cuBLAS, from the tile: whole rows per store
+      os << "    __syncwarp();\n    copy_units_out<" << p.dz_units << ", " << n / 8 << ", " << n << ">(p.dz + "
+         << m.dz_offset[l] << " * p.batch, " << dz_tile[l % 2] << ", wr, wrow, p.batch, lane);\n    __syncwarp();\n";
+    if (weight_group) {
       if (!lp.transposed && n < lp.m_tiles * 64)
         os << "    zero_units<" << p.dz_units << ", " << n / 8 << ", " << lp.m_tiles * 8 << ">(" << dz_tile[l % 2]
            << ", wr, lane);  // M padding\n";

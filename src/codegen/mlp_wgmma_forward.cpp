@@ -178,6 +178,54 @@ __device__ __forceinline__ void store_a_global(u16* __restrict__ out, const u32 
       *reinterpret_cast<u32*>(out + r * LD + 16 * kt + 8 * (i >> 1) + 2 * q) = a[0][kt][i];
   }
 }
+// A warp's 16 rows of W_UNITS units of a tile (from tile row wr) to global rows of LD halves starting at row0 (rows
+// >= batch skipped): 16 bytes per lane, whole rows per instruction, where 4-byte stores of the fragments would
+// cost L2 twice the requests (PERF.md). Warp-synchronous: the warp's own rows, __syncwarp() around it.
+template <int UNITS, int W_UNITS, int LD>
+__device__ __forceinline__ void copy_units_out(u16* __restrict__ out, u32 tile, int wr, i64 row0, i64 batch,
+                                               int lane) {
+  u16* const base = out + row0 * LD;
+  const int rows_left = static_cast<int>(min(static_cast<i64>(16), batch - row0));
+#pragma unroll
+  for (int k = 0; k < (16 * W_UNITS + 31) / 32; ++k) {
+    const int i = lane + 32 * k, r = i / W_UNITS, c = i % W_UNITS;
+    if (i < 16 * W_UNITS && r < rows_left) {
+      uint4 v;
+      asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(unit_addr<UNITS>(tile, wr + r, c)));
+      *reinterpret_cast<uint4*>(base + r * LD + 8 * c) = v;
+    }
+  }
+}
+// One bit per value of A fragments (16-bit pairs): value > 0, in C-layout order (bit nt * 4 + e of the C tile
+// [1][NT][4] that to_a packed: register i of k-step kt holds C tile 2 kt + (i >> 1), elements 2 (i & 1) and + 1).
+// What an activation whose derivative needs only y's sign (Activation::derivative_from_sign) keeps for the chain.
+template <int KT>
+__device__ __forceinline__ void sign_bits(u32 (&bits)[(KT * 8 + 31) / 32], const u32 (&a)[1][KT][4]) {
+#pragma unroll
+  for (int w = 0; w < (KT * 8 + 31) / 32; ++w) bits[w] = 0u;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int b = (2 * kt + (i >> 1)) * 4 + 2 * (i & 1);
+      const u32 lo = a[0][kt][i] & 0xffffu, hi = a[0][kt][i] >> 16;
+      // positive: sign bit clear and not zero (bits in [1, 0x7fff])
+      bits[b >> 5] |= (static_cast<u32>(lo - 1u < 0x7fffu) << (b & 31)) | (static_cast<u32>(hi - 1u < 0x7fffu) << ((b + 1) & 31));
+    }
+}
+template <class Act, int NT>
+__device__ __forceinline__ void dact_sign(float (&g)[1][NT][4], const u32 (&bits)[(NT * 4 + 31) / 32]) {
+  const float pos = Act::df(0.0f, 1.0f), neg = Act::df(0.0f, -1.0f);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int b = nt * 4 + e;
+      g[0][nt][e] *= ((bits[b >> 5] >> (b & 31)) & 1u) ? pos : neg;
+    }
+}
 // The thread's C-layout pairs of rows `row` and row + 8 of a global array of rows of W halves, as packed 16-bit
 // pairs (half the registers of floats while they wait: a prefetch); zero beyond the batch.
 template <int W, int NT>

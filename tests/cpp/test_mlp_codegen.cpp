@@ -156,6 +156,11 @@ TEST(MlpVariants, NamesAreStable) {
   EXPECT_EQ((MlpVariant{1, 8, true, 64, true, true, 4, true}).name(), "mt1_w8_resident_fw_wg_rc4_wgb");
 }
 
+Activation user_activation_unchecked(const std::string& name, const std::string& expression,
+                                     const std::string& derivative) {
+  return Activation{name, expression, derivative};
+}
+
 // How often `what` occurs in `text`.
 int count_of(const std::string& text, const std::string& what) {
   int n = 0;
@@ -225,14 +230,25 @@ TEST(MlpVariants, WgmmaBackwardPlanAndWhatItNeeds) {
   const std::string src128 = codegen::generate_mlp_source(w128, v, codegen::MlpModulePart::kBackward);
   for (int l = 1; l <= 3; ++l) {
     // (two kernels: with and without dx)
-    EXPECT_EQ(count_of(src128, "store_a_global<128>(p.dz + " + std::to_string(m128.dz_offset[l]) + " * p.batch"), 2)
+    EXPECT_EQ(count_of(src128, "copy_units_out<16, 16, 128>(p.dz + " + std::to_string(m128.dz_offset[l]) +
+                                   " * p.batch"),
+              2)
         << l;
-    EXPECT_EQ(count_of(src128, "store_a_global<128>(const_cast<u16*>(p.stash) + " +
+    EXPECT_EQ(count_of(src128, "copy_units_out<16, 16, 128>(const_cast<u16*>(p.stash) + " +
                                    std::to_string(m128.stash_h_offset[l - 1]) + " * p.batch"),
               2)
         << l;
   }
-  EXPECT_EQ(count_of(src128, "store_a_global<128>(p.dz + " + std::to_string(m128.dz_offset[0])), 0);
+  EXPECT_EQ(count_of(src128, "(p.dz + " + std::to_string(m128.dz_offset[0])), 0);
+  // ReLU's f' of h0..h2 (no tiles) from one bit per value kept by the recompute, not from the stash.
+  EXPECT_EQ(count_of(src128, "sign_bits(sb"), 6);
+  EXPECT_EQ(count_of(src128, "load_pairs<"), 0);
+  EXPECT_TRUE(builtin_activation("relu").derivative_from_sign());
+  EXPECT_TRUE(builtin_activation("leaky_relu", 0.2).derivative_from_sign());
+  EXPECT_FALSE(builtin_activation("leaky_relu", -0.5).derivative_from_sign());  // needs x
+  EXPECT_FALSE(builtin_activation("tanh").derivative_from_sign());
+  EXPECT_FALSE(user_activation_unchecked("step", "x", "(y > 0.0f ? y : 0.0f)").derivative_from_sign());
+  EXPECT_TRUE(user_activation_unchecked("step", "x", "(y > 0.0f ? 2.0f : 0.5f)").derivative_from_sign());
   // Candidates: Hopper only, one and two warpgroups at width 64; none at 256.
   auto count_wgb = [](const std::vector<MlpVariant>& c) {
     return std::count_if(c.begin(), c.end(), [](const MlpVariant& x) { return x.wgmma_backward; });
