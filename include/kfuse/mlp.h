@@ -34,9 +34,6 @@ struct Activation {
 
   bool derivative_uses_x() const;
   bool derivative_uses_y() const;
-  // The derivative is "(y > 0.0f ? a : b)" with constants a and b (relu, leaky_relu): f' from y's sign alone, which
-  // a backward can keep as one bit per value.
-  bool derivative_from_sign() const;
   bool is_identity() const { return name == "identity"; }
   // Checks the text (an identifier-like name, single expressions without ';', '{', '}', '#'); throws
   // InvalidArgument. Whether it compiles is checked by validate_activation (NVRTC).

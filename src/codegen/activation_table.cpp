@@ -49,19 +49,6 @@ std::string flt(double v) {
 
 bool Activation::derivative_uses_x() const { return identifiers(derivative).count("x") > 0; }
 bool Activation::derivative_uses_y() const { return identifiers(derivative).count("y") > 0; }
-bool Activation::derivative_from_sign() const {
-  static const std::string head = "(y > 0.0f ? ";
-  if (derivative.rfind(head, 0) != 0 || derivative.back() != ')') return false;
-  const std::string branches = derivative.substr(head.size(), derivative.size() - head.size() - 1);
-  const size_t colon = branches.find(" : ");
-  if (colon == std::string::npos || branches.find(" : ", colon + 1) != std::string::npos) return false;
-  for (const std::string b : {branches.substr(0, colon), branches.substr(colon + 3)}) {
-    if (b.empty() || b.find_first_of("()?:") != std::string::npos) return false;
-    for (const std::string& id : identifiers(b))
-      if (id == "x" || id == "y") return false;
-  }
-  return true;
-}
 
 void Activation::check_syntax() const {
   KFUSE_CHECK(!name.empty(), InvalidArgument, "activation name is empty");

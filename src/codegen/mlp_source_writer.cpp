@@ -490,13 +490,13 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
      << "#define KFUSE_BF16 " << (spec.dtype == MlpDType::kBFloat16 ? 1 : 0) << "\n"
      << mlp_device_library() << "\n";
   // sm_90a only: the wgmma forward's part, and the backward part of a wgmma-backward variant.
-  std::set<int> register_a, register_a_mn, shared_a;
+  std::set<int> register_a, chain_ss, shared_a;
   if (fwd && variant.wgmma)
     for (int l = 0; l < spec.num_layers(); ++l) register_a.insert(spec.layer_out_padded(l));
   if (bwd && variant.wgmma_backward)
-    wgmma_backward_widths(spec, wgmma_backward_plan(spec, variant), register_a, register_a_mn, shared_a);
-  if (!register_a.empty() || !register_a_mn.empty() || !shared_a.empty())
-    write_wgmma_library(os, register_a, register_a_mn, shared_a);
+    wgmma_backward_widths(spec, wgmma_backward_plan(spec, variant), register_a, chain_ss, shared_a);
+  if (!register_a.empty() || !chain_ss.empty() || !shared_a.empty())
+    write_wgmma_library(os, register_a, chain_ss, shared_a);
   os << "constexpr int MT = " << variant.m_tiles << ";\n"
      << "constexpr int WARPS = " << variant.warps << ";\n"
      << "constexpr int THREADS = WARPS * 32;\n"

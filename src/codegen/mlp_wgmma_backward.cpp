@@ -1,7 +1,6 @@
 #include "codegen/mlp_wgmma_backward.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "codegen/mlp_codegen.h"
 
@@ -137,10 +136,10 @@ WgmmaBackwardPlan wgmma_backward_plan(const MlpSpec& s, const MlpVariant& v) {
 }
 
 void wgmma_backward_widths(const MlpSpec& s, const WgmmaBackwardPlan& plan, std::set<int>& register_a,
-                           std::set<int>& register_a_mn, std::set<int>& shared_a) {
+                           std::set<int>& chain_ss, std::set<int>& shared_a) {
   for (int l = 0; l < s.num_layers(); ++l) {
     if (l < s.num_layers() - 1) register_a.insert(s.layer_out_padded(l));  // the recompute
-    register_a_mn.insert(s.layer_in_padded(l));                             // the chain (layer 0: _dx only)
+    chain_ss.insert(s.layer_in_padded(l));                                  // the chain (layer 0: _dx only)
     if (plan.layers[l].n) shared_a.insert(plan.layers[l].n);
   }
 }
@@ -163,17 +162,9 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
                " + (wr >> 3) * ", p.x_units * 128, "u, p.x, ", blk, " * ROWS + wg * 64 + wr, p.batch, lane);");
   };
   // Hidden layer j's f' reads h_j from the stash (no tile) and needs y: prefetched before the wait for g_j.
-  // ... or keeps one bit per value from the recompute (relu, leaky_relu: f' from y's sign; A/B switch
-  // KFUSE_MLP_SIGN_BITS=0).
-  const char* sign_env = std::getenv("KFUSE_MLP_SIGN_BITS");
-  const bool sign_bits_on = !(sign_env && std::string(sign_env) == "0");
-  auto sign_kept = [&](int j) {
-    const Activation& a = s.layer_activation(j);
-    return sign_bits_on && j < L - 1 && !p.has_h_tile(j) && !a.is_identity() && a.derivative_from_sign();
-  };
   auto prefetched = [&](int j) {
     const Activation& a = s.layer_activation(j);
-    return j < L - 1 && !p.has_h_tile(j) && !a.is_identity() && a.derivative_uses_y() && !sign_kept(j);
+    return j < L - 1 && !p.has_h_tile(j) && !a.is_identity() && a.derivative_uses_y();
   };
 
   const std::string name = dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward";
@@ -255,8 +246,6 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
       os << "    store_a_units<" << p.dz_units << ">(" << dz_tile[l % 2] << ", ra" << l + 1 << ", wr, lane);\n"
          << "    __syncwarp();\n    copy_units_out<" << p.dz_units << ", " << n / 8 << ", " << n << ">(" << h_stash(l)
          << ", " << dz_tile[l % 2] << ", wr, wrow, p.batch, lane);\n    __syncwarp();\n";
-    if (sign_kept(l))
-      os << "    u32 sb" << l << "[" << (n / 2 + 31) / 32 << "];\n    sign_bits(sb" << l << ", ra" << l + 1 << ");\n";
   }
 
   // 2. The chain.
@@ -281,12 +270,9 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
           os << "      load_c<" << s.output_width << ", " << s.output_width << ">(t, p.y, row, p.batch, q);\n";
         else if (p.has_h_tile(l))
           os << "      load_c_units<" << p.h_units[l] << ">(t, " << h_tile(l) << ", wr, lane);\n";
-        else if (!sign_kept(l))
-          os << "      unpack_pairs(t, hp" << l << ");\n";
-        if (sign_kept(l))
-          os << "    }\n    dact_sign<" << activation_struct_name(l) << ">(" << g << ", sb" << l << ");\n";
         else
-          os << "      dact_from_y<" << activation_struct_name(l) << ">(" << g << ", t);\n    }\n";
+          os << "      unpack_pairs(t, hp" << l << ");\n";
+        os << "      dact_from_y<" << activation_struct_name(l) << ">(" << g << ", t);\n    }\n";
       } else {
         os << "    dact_const<" << activation_struct_name(l) << ">(" << g << ");\n";
       }
@@ -295,23 +281,23 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
     if (lp.bias_floats) os << "    add_row_sums(bs" << l << ", " << g << ");\n";
     os << "    u32 " << d << "[1][" << n / 16 << "][4];\n    to_a(" << g << ", " << d << ");\n";
     const bool weight_group = lp.n > 0;
-    if (weight_group || lp.external)
-      os << "    store_a_units<" << p.dz_units << ">(" << dz_tile[l % 2] << ", " << d << ", wr, lane);\n";
+    const bool chain_goes_on = l > 0 || dx;
+    // The dz tile: the chain's A, the weight gradient's operand, the staging of an external layer's dz.
+    os << "    store_a_units<" << p.dz_units << ">(" << dz_tile[l % 2] << ", " << d << ", wr, lane);\n";
     if (lp.external)  // dz_l for cuBLAS, from the tile: whole rows per store
       os << "    __syncwarp();\n    copy_units_out<" << p.dz_units << ", " << n / 8 << ", " << n << ">(p.dz + "
          << m.dz_offset[l] << " * p.batch, " << dz_tile[l % 2] << ", wr, wrow, p.batch, lane);\n    __syncwarp();\n";
-    if (weight_group) {
-      if (!lp.transposed && n < lp.m_tiles * 64)
-        os << "    zero_units<" << p.dz_units << ", " << n / 8 << ", " << lp.m_tiles * 8 << ">(" << dz_tile[l % 2]
-           << ", wr, lane);  // M padding\n";
+    if (weight_group && !lp.transposed && n < lp.m_tiles * 64)
+      os << "    zero_units<" << p.dz_units << ", " << n / 8 << ", " << lp.m_tiles * 8 << ">(" << dz_tile[l % 2]
+         << ", wr, lane);  // M padding\n";
+    if (weight_group || chain_goes_on)
       os << "    fence_async_shared();\n"
-         << "    warpgroup_barrier(wg);  // the warpgroup's dz rows in place for the weight gradient\n";
-    }
-    const bool chain_goes_on = l > 0 || dx;
+         << "    warpgroup_barrier(wg);  // the warpgroup's dz rows in place for the MMAs\n";
     const std::string next = l > 0 ? cat("g", l - 1) : std::string("gx");
     if (chain_goes_on)
       os << "    float " << next << "[1][" << k / 8 << "][4];\n    zero_acc(" << next << ");\n"
-         << "    wgmma_fence();\n    wgmma_layer_mn<" << k / 8 << ">(" << next << ", " << d << ", cdesc" << l
+         << "    wgmma_fence();\n    wgmma_layer_chain<" << k / 8 << ", " << n / 16 << ">(" << next
+         << ", wgmma_desc(" << dz_tile[l % 2] << ", " << p.dz_units * 8 << "), cdesc" << l
          << ");\n    wgmma_commit();\n";
     else if (weight_group)
       os << "    wgmma_fence();\n";

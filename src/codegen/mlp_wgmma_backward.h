@@ -4,9 +4,9 @@
 //      and stores each into its own shared tile, or, where the next layer's weight gradient is external (cuBLAS),
 //      into the stash array cuBLAS reads;
 //   2. it runs the activation-gradient chain from dy: per layer (last to first) dz_l = dL/dh_l * f'(h_l), stored
-//      into a dz tile (and, for an external layer, into the workspace), then two wgmma groups are issued: the
-//      chain's next data gradient dz_l W_l (A = dz_l in registers, B = the same resident weights read MN-major)
-//      and the layer's weight gradient (both operands from the tiles, MN-major: K = the 64 rows), accumulated in
+//      into a dz tile (and, for an external layer, from there into the workspace), then two wgmma groups are
+//      issued: the chain's next data gradient dz_l W_l (A = the dz tile read K-major, so that no registers stay
+//      held while it runs; B = the same resident weights read MN-major) and the layer's weight gradient (both operands from the tiles, MN-major: K = the 64 rows), accumulated in
 //      registers for the CTA's life. The wait for the first leaves the second running under the next layer's
 //      activation math.
 // No CTA-wide barrier inside the row-block loop: a warpgroup reads only its own tiles (one 128-thread named barrier
@@ -96,9 +96,9 @@ WgmmaBackwardPlan wgmma_backward_plan(const MlpSpec& spec, const MlpVariant& v);
 std::vector<bool> wgmma_backward_external_layers(const MlpSpec& spec, const MlpVariant& v);
 
 // The MMA widths the backward kernels use, for write_wgmma_library: register A with K-major B (the recompute),
-// register A with MN-major B (the chain), shared A (the weight gradients).
+// the chain's (A = the dz tile K-major, B = the weights MN-major), the weight gradients' (both MN-major).
 void wgmma_backward_widths(const MlpSpec& spec, const WgmmaBackwardPlan& plan, std::set<int>& register_a,
-                           std::set<int>& register_a_mn, std::set<int>& shared_a);
+                           std::set<int>& chain_ss, std::set<int>& shared_a);
 
 // The kernel kfuse_mlp_backward (dx = false) or kfuse_mlp_backward_dx, with the BwdParams of mlp_codegen.h and the
 // partial vector's layout of `wgrad` (mlp_wgrad_plan; its external layers' entries are left to cuBLAS).

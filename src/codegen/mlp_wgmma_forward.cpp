@@ -8,7 +8,7 @@
 
 namespace kfuse::codegen {
 
-void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& register_a_mn,
+void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& chain_ss,
                          const std::set<int>& shared_a) {
   os << R"KFUSE(
 // Hopper warpgroup MMA (wgmma). The four warps of a warpgroup issue each instruction together: it multiplies 64
@@ -198,34 +198,6 @@ __device__ __forceinline__ void copy_units_out(u16* __restrict__ out, u32 tile, 
     }
   }
 }
-// One bit per value of A fragments (16-bit pairs): value > 0, in C-layout order (bit nt * 4 + e of the C tile
-// [1][NT][4] that to_a packed: register i of k-step kt holds C tile 2 kt + (i >> 1), elements 2 (i & 1) and + 1).
-// What an activation whose derivative needs only y's sign (Activation::derivative_from_sign) keeps for the chain.
-template <int KT>
-__device__ __forceinline__ void sign_bits(u32 (&bits)[(KT * 8 + 31) / 32], const u32 (&a)[1][KT][4]) {
-#pragma unroll
-  for (int w = 0; w < (KT * 8 + 31) / 32; ++w) bits[w] = 0u;
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int b = (2 * kt + (i >> 1)) * 4 + 2 * (i & 1);
-      const u32 lo = a[0][kt][i] & 0xffffu, hi = a[0][kt][i] >> 16;
-      // positive: sign bit clear and not zero (bits in [1, 0x7fff])
-      bits[b >> 5] |= (static_cast<u32>(lo - 1u < 0x7fffu) << (b & 31)) | (static_cast<u32>(hi - 1u < 0x7fffu) << ((b + 1) & 31));
-    }
-}
-template <class Act, int NT>
-__device__ __forceinline__ void dact_sign(float (&g)[1][NT][4], const u32 (&bits)[(NT * 4 + 31) / 32]) {
-  const float pos = Act::df(0.0f, 1.0f), neg = Act::df(0.0f, -1.0f);
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int b = nt * 4 + e;
-      g[0][nt][e] *= ((bits[b >> 5] >> (b & 31)) & 1u) ? pos : neg;
-    }
-}
 // The thread's C-layout pairs of rows `row` and row + 8 of a global array of rows of W halves, as packed 16-bit
 // pairs (half the registers of floats while they wait: a prefetch); zero beyond the batch.
 template <int W, int NT>
@@ -289,10 +261,11 @@ __device__ __forceinline__ void add_wgrad(const float (&d)[1][NT][4], float* w, 
     mma_function("wgmma_mma", n, "const u32 (&a)[4], unsigned long long desc, int scale_d = 1", "{#0,#1,#2,#3}, #4",
                  5, "1, 1, 0",
                  "\"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(scale_d)");
-  // A in registers, B MN-major (imm-trans-b = 1): the wgmma backward's chain, dz_l W_l, on the forward's weights.
-  for (int n : register_a_mn)
-    mma_function("wgmma_mma_mn", n, "const u32 (&a)[4], unsigned long long desc", "{#0,#1,#2,#3}, #4", 5, "1, 1, 1",
-                 "\"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(1)");
+  // A K-major and B MN-major, both in shared memory (imm-trans-a = 0, imm-trans-b = 1): the wgmma backward's chain,
+  // dz_l W_l, with dz_l from its tile (no registers held while the MMAs run) and the forward's weights.
+  for (int n : chain_ss)
+    mma_function("wgmma_mma_chain", n, "unsigned long long desc_a, unsigned long long desc_b", "#0, #1", 2,
+                 "1, 1, 0, 1", "\"l\"(desc_a), \"l\"(desc_b), \"r\"(1)");
   // Both operands from shared memory, both MN-major (imm-trans-a = imm-trans-b = 1): the weight gradients.
   for (int n : shared_a)
     mma_function("wgmma_mma_ss", n, "unsigned long long desc_a, unsigned long long desc_b", "#0, #1", 2,
@@ -303,12 +276,15 @@ __device__ __forceinline__ void wgmma_layer(float (&d)[1][NT][4], const u32 (&a)
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) wgmma_mma(d, a[0][kt], desc + static_cast<unsigned long long>(kt * 16));
 }
-// The same over an MN-major B of UNITS 16-byte units per K row (the next K = 16 slice: 16 rows further).
-template <int UNITS, int NT, int KT>
-__device__ __forceinline__ void wgmma_layer_mn(float (&d)[1][NT][4], const u32 (&a)[1][KT][4],
-                                               unsigned long long desc) {
+// A chain layer of the wgmma backward: A = a tile (K-major: the next K = 16 slice is two units, 256 bytes, further),
+// B = MN-major weights of B_UNITS units per K row (the next slice: 16 rows further).
+template <int B_UNITS, int KT, int NT>
+__device__ __forceinline__ void wgmma_layer_chain(float (&d)[1][NT][4], unsigned long long desc_a,
+                                                  unsigned long long desc_b) {
 #pragma unroll
-  for (int kt = 0; kt < KT; ++kt) wgmma_mma_mn(d, a[0][kt], desc + static_cast<unsigned long long>(kt * 16 * UNITS));
+  for (int kt = 0; kt < KT; ++kt)
+    wgmma_mma_chain(d, desc_a + static_cast<unsigned long long>(kt * 16),
+                    desc_b + static_cast<unsigned long long>(kt * 16 * B_UNITS));
 }
 
 )KFUSE";
