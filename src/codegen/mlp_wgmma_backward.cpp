@@ -48,6 +48,7 @@ WgmmaBackwardPlan plan_with(const MlpSpec& s, const MlpVariant& v, const std::ve
     const WgmmaBackwardLayerPlan& lp = p.layers.back();
     p.accumulator_floats += lp.accumulator_floats();
     p.dz_units = std::max(p.dz_units, lp.transposed ? s.layer_out_padded(l) / 8 : lp.m_tiles * 8);
+    p.chain_a_shared = p.chain_a_shared || s.layer_out_padded(l) > 64;
   }
   p.warpgroup_offset = (at + 127) / 128 * 128;
   int64_t wg = 0;
@@ -296,9 +297,10 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
     const std::string next = l > 0 ? cat("g", l - 1) : std::string("gx");
     if (chain_goes_on)
       os << "    float " << next << "[1][" << k / 8 << "][4];\n    zero_acc(" << next << ");\n"
-         << "    wgmma_fence();\n    wgmma_layer_chain<" << k / 8 << ", " << n / 16 << ">(" << next
-         << ", wgmma_desc(" << dz_tile[l % 2] << ", " << p.dz_units * 8 << "), cdesc" << l
-         << ");\n    wgmma_commit();\n";
+         << "    wgmma_fence();\n    wgmma_layer_chain<" << k / 8
+         << (p.chain_a_shared ? cat(", ", n / 16, ">(", next, ", wgmma_desc(", dz_tile[l % 2], ", ", p.dz_units * 8, ")")
+                              : cat(">(", next, ", ", d))
+         << ", cdesc" << l << ");\n    wgmma_commit();\n";
     else if (weight_group)
       os << "    wgmma_fence();\n";
     if (weight_group) {

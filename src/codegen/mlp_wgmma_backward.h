@@ -5,8 +5,8 @@
 //      into the stash array cuBLAS reads;
 //   2. it runs the activation-gradient chain from dy: per layer (last to first) dz_l = dL/dh_l * f'(h_l), stored
 //      into a dz tile (and, for an external layer, from there into the workspace), then two wgmma groups are
-//      issued: the chain's next data gradient dz_l W_l (A = the dz tile read K-major, so that no registers stay
-//      held while it runs; B = the same resident weights read MN-major) and the layer's weight gradient (both operands from the tiles, MN-major: K = the 64 rows), accumulated in
+//      issued: the chain's next data gradient dz_l W_l (A = dz_l in registers, or the dz tile read K-major where
+//      registers are short; B = the same resident weights read MN-major) and the layer's weight gradient (both operands from the tiles, MN-major: K = the 64 rows), accumulated in
 //      registers for the CTA's life. The wait for the first leaves the second running under the next layer's
 //      activation math.
 // No CTA-wide barrier inside the row-block loop: a warpgroup reads only its own tiles (one 128-thread named barrier
@@ -79,6 +79,10 @@ struct WgmmaBackwardPlan {
   int64_t grad_floats = 0;
   std::vector<int64_t> bias_sum_offset;
   int64_t smem_bytes = 0;
+  // The chain's A: the dz tile (a K-major shared operand) where some layer is wider than 64, so that its dz
+  // fragments (32+ registers) are not held while the MMAs run (width 128: no spills, -4%); else the fragments in
+  // registers (width 64: the shared operand cost +12%, PERF.md).
+  bool chain_a_shared = false;
   bool has_h_tile(int j) const { return h_tile_offset[j] >= 0; }
 };
 

@@ -263,9 +263,13 @@ __device__ __forceinline__ void add_wgrad(const float (&d)[1][NT][4], float* w, 
                  "\"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(scale_d)");
   // A K-major and B MN-major, both in shared memory (imm-trans-a = 0, imm-trans-b = 1): the wgmma backward's chain,
   // dz_l W_l, with dz_l from its tile (no registers held while the MMAs run) and the forward's weights.
-  for (int n : chain_ss)
+  // Or with A in registers (imm-trans-b = 1): where holding dz_l's fragments while the MMAs run costs no spills.
+  for (int n : chain_ss) {
     mma_function("wgmma_mma_chain", n, "unsigned long long desc_a, unsigned long long desc_b", "#0, #1", 2,
                  "1, 1, 0, 1", "\"l\"(desc_a), \"l\"(desc_b), \"r\"(1)");
+    mma_function("wgmma_mma_mn", n, "const u32 (&a)[4], unsigned long long desc", "{#0,#1,#2,#3}, #4", 5, "1, 1, 1",
+                 "\"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(1)");
+  }
   // Both operands from shared memory, both MN-major (imm-trans-a = imm-trans-b = 1): the weight gradients.
   for (int n : shared_a)
     mma_function("wgmma_mma_ss", n, "unsigned long long desc_a, unsigned long long desc_b", "#0, #1", 2,
@@ -276,8 +280,8 @@ __device__ __forceinline__ void wgmma_layer(float (&d)[1][NT][4], const u32 (&a)
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) wgmma_mma(d, a[0][kt], desc + static_cast<unsigned long long>(kt * 16));
 }
-// A chain layer of the wgmma backward: A = a tile (K-major: the next K = 16 slice is two units, 256 bytes, further),
-// B = MN-major weights of B_UNITS units per K row (the next slice: 16 rows further).
+// A chain layer of the wgmma backward: A = a tile (K-major: the next K = 16 slice is two units, 256 bytes, further)
+// or A fragments in registers, B = MN-major weights of B_UNITS units per K row (the next slice: 16 rows further).
 template <int B_UNITS, int KT, int NT>
 __device__ __forceinline__ void wgmma_layer_chain(float (&d)[1][NT][4], unsigned long long desc_a,
                                                   unsigned long long desc_b) {
@@ -285,6 +289,13 @@ __device__ __forceinline__ void wgmma_layer_chain(float (&d)[1][NT][4], unsigned
   for (int kt = 0; kt < KT; ++kt)
     wgmma_mma_chain(d, desc_a + static_cast<unsigned long long>(kt * 16),
                     desc_b + static_cast<unsigned long long>(kt * 16 * B_UNITS));
+}
+template <int B_UNITS, int NT, int KT>
+__device__ __forceinline__ void wgmma_layer_chain(float (&d)[1][NT][4], const u32 (&a)[1][KT][4],
+                                                  unsigned long long desc_b) {
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+    wgmma_mma_mn(d, a[0][kt], desc_b + static_cast<unsigned long long>(kt * 16 * B_UNITS));
 }
 
 )KFUSE";

@@ -17,7 +17,7 @@ namespace kfuse::codegen {
 
 // Device helpers for wgmma (fence, commit, wait, descriptors, the core-matrix copy, the wgmma backward's tiles) and
 // the MMA functions: `wgmma_mma` (A in registers, B K-major) for each N in `register_a`, `wgmma_mma_chain` (A
-// K-major and B MN-major in shared memory) for each N in `chain_ss`, `wgmma_mma_ss` (both operands MN-major in
+// K-major and B MN-major in shared memory) and `wgmma_mma_mn` (A in registers, B MN-major) for each N in `chain_ss`, `wgmma_mma_ss` (both operands MN-major in
 // shared memory) for each N in `shared_a`. Needs the device library before it.
 void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& chain_ss,
                          const std::set<int>& shared_a);
