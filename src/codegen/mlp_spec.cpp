@@ -252,15 +252,16 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
     }
   }
   if (hopper) {
-    // The wgmma backward (every hidden output recomputed): one or two warpgroups per CTA.
-    for (int warps : {4, 8}) {
-      MlpVariant v{1, warps, true, 64};
-      v.fused_wgrad = v.wgmma = v.wgmma_backward = true;
-      v.recompute = hidden;
-      if (codegen::wgmma_backward_problem(spec, v).empty() && recompute_problem(spec, v).empty() &&
-          fits(spec, v, smem_optin))
-        out.push_back(v);
-    }
+    // The wgmma backward: one or two warpgroups per CTA, every hidden output recomputed or every one stashed.
+    for (int r : {hidden, 0})
+      for (int warps : {4, 8}) {
+        MlpVariant v{1, warps, true, 64};
+        v.fused_wgrad = v.wgmma = v.wgmma_backward = true;
+        v.recompute = r;
+        if (codegen::wgmma_backward_problem(spec, v).empty() && recompute_problem(spec, v).empty() &&
+            fits(spec, v, smem_optin))
+          out.push_back(v);
+      }
   }
   return out;
 }

@@ -114,8 +114,6 @@ std::string wgmma_backward_problem(const MlpSpec& s, const MlpVariant& v) {
   if (!v.fused_wgrad) return "the wgmma backward needs fused weight gradients (fused_wgrad)";
   if (v.m_tiles != 1) return "the wgmma backward needs m_tiles = 1 (one 64-row chain per warpgroup)";
   if (v.warps % 4 != 0) return "the wgmma backward needs whole warpgroups (warps a multiple of 4)";
-  if (v.recompute != s.num_layers() - 1)
-    return cat("the wgmma backward recomputes every hidden output: recompute must be ", s.num_layers() - 1);
   std::vector<bool> external;
   if (!choose_external(s, v, external)) {
     const WgmmaBackwardPlan p = plan_with(s, v, external);
@@ -158,6 +156,14 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
   // Layer l's input tile (its weight gradient's h operand): x or the recomputed output of layer l - 1.
   auto input_tile = [&](int l) { return l == 0 ? std::string("xt") : h_tile(l - 1); };
   auto input_units = [&](int l) { return l == 0 ? p.x_units : p.h_units[l - 1]; };
+  // Hidden outputs j < rc are recomputed here; the training forward stashed the others.
+  const int rc = std::clamp(v.recompute, 0, L - 1);
+  // A stashed h_j's tile (the input of layer j + 1's weight gradient) for row block blk, by cp.async.
+  auto h_copy_into = [&](int j, const std::string& blk) {
+    const int n = s.layer_out_padded(j);
+    return cat("copy_rows_zero_fill<16, ", n, ", ", n, ", 0, 32, ", p.h_units[j], ">(", h_tile(j), " + (wr >> 3) * ",
+               p.h_units[j] * 128, "u, ", h_stash(j), ", ", blk, " * ROWS + wg * 64 + wr, p.batch, lane);");
+  };
   auto x_copy_into = [&](const std::string& buffer, const std::string& blk) {
     return cat("copy_rows_zero_fill<16, ", s.input_width, ", ", in0, ", 0, 32, ", p.x_units, ">(", buffer,
                " + (wr >> 3) * ", p.x_units * 128, "u, p.x, ", blk, " * ROWS + wg * 64 + wr, p.batch, lane);");
@@ -202,8 +208,16 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
     if (p.has_h_tile(j))
       os << "  fill_unit_column<" << p.h_units[j] << ">(" << h_tile(j) << ", " << p.h_units[j] - 1
          << ", threadIdx.x & 127);\n";
-  os << "  if (blockIdx.x < p.num_blocks) " << x_copy_into("xt0", "(i64)blockIdx.x") << "\n"
-     << "  cp_async_commit();\n  cp_async_wait_all();\n  fence_async_shared();\n  __syncthreads();\n";
+  os << "  if (blockIdx.x < p.num_blocks) {\n    " << x_copy_into("xt0", "(i64)blockIdx.x") << "\n";
+  for (int j = rc; j < L - 1; ++j)
+    if (p.has_h_tile(j)) os << "    " << h_copy_into(j, "(i64)blockIdx.x") << "\n";
+  os << "  }\n  cp_async_commit();\n  cp_async_wait_all();\n  fence_async_shared();\n  __syncthreads();\n";
+  // A stashed tile's next row block goes out once its last reader is done: the weight gradient of layer j + 1,
+  // complete at the wait of chain step j (after that step's f' read of the tile).
+  auto h_prefetch = [&](int j) {
+    return cat("    __syncwarp();\n    if (blk + gridDim.x < p.num_blocks) ", h_copy_into(j, "(blk + gridDim.x)"),
+               "\n    cp_async_commit();  // the next row block's h", j, "\n");
+  };
   // The weight-gradient accumulators and bias sums, for the CTA's life.
   for (int l = 0; l < L; ++l) {
     const WgmmaBackwardLayerPlan& lp = p.layers[l];
@@ -223,11 +237,12 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
                                                                  "(blk + gridDim.x)")
      << "\n    cp_async_commit();\n";
 
-  // 1. The recompute: the wgmma forward's chain over the hidden layers, each output into its tile or its stash
-  //    array.
-  os << "    u32 ra0[1][" << in0 / 16 << "][4];\n"
-     << "    load_a_units<" << p.x_units << ">(ra0, xt, wr, lane);\n";
-  for (int l = 0; l < L - 1; ++l) {
+  // 1. The recompute: the wgmma forward's chain over the first rc hidden layers, each output into its tile or its
+  //    stash array.
+  if (rc > 0)
+    os << "    u32 ra0[1][" << in0 / 16 << "][4];\n"
+       << "    load_a_units<" << p.x_units << ">(ra0, xt, wr, lane);\n";
+  for (int l = 0; l < rc; ++l) {
     const int n = s.layer_out_padded(l);
     const std::string acc = cat("rz", l), a = cat("ra", l);
     os << "    // recompute layer " << l << " (" << s.layer_in(l) << " -> " << s.layer_out(l) << ", "
@@ -261,7 +276,7 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
     os << "    // layer " << l << " (" << s.layer_in(l) << " -> " << s.layer_out(l) << ", " << act.name
        << (lp.external ? ", weight gradient by cuBLAS" : "") << "): dz = dL/dh * f'\n";
     if (!act.is_identity()) {
-      if (m.stash_z_offset[l] >= 0) {  // only the output layer's can be (the hidden ones are recomputed)
+      if (m.stash_z_offset[l] >= 0) {  // the output layer's, or a stashed hidden layer's
         os << "    {\n      float t[1][" << n / 8 << "][4];\n      load_c<" << n << ", " << n << ">(t, p.stash + "
            << m.stash_z_offset[l] << " * p.batch, row, p.batch, q);\n      dact_from_x<"
            << activation_struct_name(l) << ">(" << g << ", t);\n    }\n";
@@ -336,11 +351,14 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
       else
         os << "    wgmma_wait<0>();\n";
       os << "    wgmma_fence_acc(" << next << ");\n";
+      if (l < L - 1 && l >= rc && p.has_h_tile(l)) os << h_prefetch(l);
     }
     if (l == 0 && dx)
       os << "    store_c<" << s.input_width << ", " << s.input_width << ">(gx, p.dx, row, p.batch, q);\n";
   }
-  os << "    wgmma_wait<0>();\n    xb ^= 1u;\n  }\n";
+  os << "    wgmma_wait<0>();\n";
+  if (!dx && 0 < L - 1 && 0 >= rc && p.has_h_tile(0)) os << h_prefetch(0);  // step 0 had no wait
+  os << "    xb ^= 1u;\n  }\n";
 
   // 3. The CTA's partial gradients: the warpgroups add theirs in order into shared memory.
   os << "  cp_async_wait_all();\n"

@@ -1,8 +1,9 @@
 // The backward of a wgmma-backward variant (MlpVariant::wgmma_backward; Hopper, compiled for sm_90a): what the
 // source writer emits instead of the mma.sync backward kernels. Every row block, each warpgroup owns 64 rows:
-//   1. it recomputes every hidden output from x (the wgmma forward's chain, A in registers, the weights resident)
-//      and stores each into its own shared tile, or, where the next layer's weight gradient is external (cuBLAS),
-//      into the stash array cuBLAS reads;
+//   1. it recomputes the first MlpVariant::recompute hidden outputs from x (the wgmma forward's chain, A in
+//      registers, the weights resident) and stores each into its own shared tile, or, where the next layer's
+//      weight gradient is external (cuBLAS), into the stash array cuBLAS reads; the training forward stashed the
+//      others, and their tiles arrive by cp.async (the next row block's as soon as the last reader is done);
 //   2. it runs the activation-gradient chain from dy: per layer (last to first) dz_l = dL/dh_l * f'(h_l), stored
 //      into a dz tile (and, for an external layer, from there into the workspace), then two wgmma groups are
 //      issued: the chain's next data gradient dz_l W_l (A = dz_l in registers, or the dz tile read K-major where
@@ -90,7 +91,7 @@ struct WgmmaBackwardPlan {
 constexpr int64_t kWgmmaBackwardSmemBudget = 227 * 1024;
 
 // Why `v` cannot take the wgmma backward for `spec` ("" where it can): it needs the wgmma forward, fused weight
-// gradients, every hidden output recomputed, one 16-row tile per warp, whole warpgroups, an orientation for every
+// gradients, one 16-row tile per warp, whole warpgroups, an orientation for every
 // layer inside the kernel, and a set of external layers (widest first) that brings the accumulators within the
 // budget and the shared memory within kWgmmaBackwardSmemBudget. The device's own limit is the caller's check
 // (mlp_backward_smem_bytes).

@@ -181,6 +181,15 @@ WGMMA_CASES = {
                                    variant=(1, 8, True, 64, True, True, 4, True)),
     "w128_wgmma_backward_w4": dict(in_w=32, hidden=[128] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
                                    variant=(1, 4, True, 64, True, True, 4, True)),
+    # Every hidden output from the stash (recompute 0: tiles by cp.async, f' read back), at 128 and at 64, and one
+    # of two recomputed in an odd bf16 network.
+    "w128_wgmma_backward_stashed": dict(in_w=32, hidden=[128] * 4, out_w=16, act="relu", dtype=torch.float16,
+                                        bias=True, variant=(1, 8, True, 64, True, True, 0, True)),
+    "w64_wgmma_backward_stashed_w4_tanh": dict(in_w=32, hidden=[64] * 4, out_w=16, act="tanh", dtype=torch.float16,
+                                               bias=True, variant=(1, 4, True, 64, True, True, 0, True)),
+    "odd_wgmma_backward_recompute1_bf16": dict(in_w=3, hidden=[64, 48], out_w=5, act="tanh", out_act="sigmoid",
+                                               dtype=torch.bfloat16, bias=[True, False, True],
+                                               variant=(1, 8, True, 64, True, True, 1, True)),
     "external_tanh_bf16_wgmma_backward": dict(in_w=32, hidden=[128] * 3, out_w=16, act="tanh", dtype=torch.bfloat16,
                                               bias=[True, False, True, True],
                                               variant=(1, 8, True, 64, True, True, 3, True)),
@@ -244,8 +253,8 @@ def test_default_variant_fuses_weight_gradients_where_they_fit():
 
 
 @pytest.mark.parametrize("variant", [None, (1, 4, True, 64, False), (1, 8, True, 64, True, False, 2),
-                                     (1, 8, True, 64, True, True, 2, True)],
-                         ids=["default", "cublas_wgrad", "recompute2", "wgmma_backward"])
+                                     (1, 8, True, 64, True, True, 2, True), (1, 8, True, 64, True, True, 0, True)],
+                         ids=["default", "cublas_wgrad", "recompute2", "wgmma_backward", "wgmma_backward_stashed"])
 @pytest.mark.parametrize("width", [64, 128])
 def test_outputs_poisoned_before_the_run_are_overwritten(variant, width):
     """Outputs and the stash start as NaN: every output is written, and the backward reads only stash arrays its
