@@ -357,7 +357,7 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
       os << "    store_c<" << s.input_width << ", " << s.input_width << ">(gx, p.dx, row, p.batch, q);\n";
   }
   os << "    wgmma_wait<0>();\n";
-  if (!dx && 0 < L - 1 && 0 >= rc && p.has_h_tile(0)) os << h_prefetch(0);  // step 0 had no wait
+  if (!dx && rc == 0 && p.has_h_tile(0)) os << h_prefetch(0);  // step 0 had no wait
   os << "    xb ^= 1u;\n  }\n";
 
   // 3. The CTA's partial gradients: the warpgroups add theirs in order into shared memory.

@@ -163,21 +163,6 @@ __device__ __forceinline__ void store_row_sums(float (&s)[NT][2], float* scratch
       if (lane < 4) scratch[warp * OUT_P + nt * 8 + 2 * lane + e] = v;
     }
 }
-// A warp's A fragments (16-bit pairs) straight to global rows of LD halves (the thread's rows `row` and row + 8;
-// rows >= batch skipped): where a tile's content goes to the stash or the workspace for cuBLAS. Register i of
-// k-step kt holds row + 8 (i & 1), columns 16 kt + 8 (i >> 1) + 2q.
-template <int LD, int KT>
-__device__ __forceinline__ void store_a_global(u16* __restrict__ out, const u32 (&a)[1][KT][4], i64 row, i64 batch,
-                                               int q) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const i64 r = row + 8 * (i & 1);
-    if (r >= batch) continue;
-#pragma unroll
-    for (int kt = 0; kt < KT; ++kt)
-      *reinterpret_cast<u32*>(out + r * LD + 16 * kt + 8 * (i >> 1) + 2 * q) = a[0][kt][i];
-  }
-}
 // A warp's 16 rows of W_UNITS units of a tile (from tile row wr) to global rows of LD halves starting at row0 (rows
 // >= batch skipped): 16 bytes per lane, whole rows per instruction, where 4-byte stores of the fragments would
 // cost L2 twice the requests (PERF.md). Warp-synchronous: the warp's own rows, __syncwarp() around it.
