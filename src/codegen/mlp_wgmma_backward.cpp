@@ -151,9 +151,10 @@ void write_wgmma_backward(std::ostringstream& os, const MlpSpec& s, const MlpVar
   auto tile = [](const std::string& base, int64_t offset) { return cat("(", base, " + ", offset, "u)"); };
   const std::string dz_tile[2] = {tile("wgs", p.dz_tile_offset), tile("wgs", p.dz_tile_offset + p.dz_tile_bytes)};
   auto h_tile = [&](int j) { return tile("wgs", p.h_tile_offset[j]); };
-  // Hidden output j's stash array (written here where layer j + 1 is external; cuBLAS reads it).
+  // Hidden output j's stash array: the training forward's (j >= recompute), or written here for cuBLAS (a
+  // recomputed input of an external layer).
   auto h_stash = [&](int j) { return cat("const_cast<u16*>(p.stash) + ", m.stash_h_offset[j], " * p.batch"); };
-  // Layer l's input tile (its weight gradient's h operand): x or the recomputed output of layer l - 1.
+  // Layer l's input tile (its weight gradient's h operand): x, or h_{l-1} (recomputed or from the stash).
   auto input_tile = [&](int l) { return l == 0 ? std::string("xt") : h_tile(l - 1); };
   auto input_units = [&](int l) { return l == 0 ? p.x_units : p.h_units[l - 1]; };
   // Hidden outputs j < rc are recomputed here; the training forward stashed the others.

@@ -73,7 +73,7 @@ struct WgmmaBackwardPlan {
   int x_units = 0;
   int64_t x_tile_offset = 0, x_tile_bytes = 0;
   std::vector<int> h_units;             // hidden layer j's output tile
-  std::vector<int64_t> h_tile_offset;   // -1: no tile (layer j + 1 is external: h_j goes to the stash)
+  std::vector<int64_t> h_tile_offset;   // -1: no tile (layer j + 1 is external: h_j lives in its stash array)
   int dz_units = 0;
   int64_t dz_tile_offset = 0, dz_tile_bytes = 0;
   // The end-of-kernel reduction (floats from the start): the partial vector, then the bias sums (-1: none).
