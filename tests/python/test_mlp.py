@@ -1,4 +1,7 @@
-"""kfuse.FusedMLP, CPU tier: construction and from_torch validation, the plain-PyTorch CPU path, activations."""
+"""kfuse.FusedMLP, CPU tier: construction and from_torch validation, the plain-PyTorch CPU path, activations, the
+CUDA path's autograd plumbing with a stand-in engine."""
+
+import ctypes
 
 import pytest
 import torch
@@ -141,3 +144,57 @@ def test_tune_needs_a_cuda_device():
         m.tune(128)
     with pytest.raises(ValueError, match="CUDA device"):
         m.variants()
+
+
+class _RecordingEngine:
+    """Stands in for the generated kernels (no GPU): records the raw calls and writes known values into the
+    gradient buffer, so that the autograd plumbing of FusedMLP's CUDA path runs on CPU tensors."""
+
+    def __init__(self, num_parameters):
+        self.num_parameters = num_parameters
+        self.calls = []
+
+    def stash_bytes(self, batch):
+        return 64
+
+    def backward_workspace_bytes(self, batch):
+        return 128
+
+    def forward_train_raw(self, packed, x, y, stash, batch, stream):
+        self.calls.append(("forward_train", batch))
+
+    def forward_raw(self, packed, x, y, batch, stream):
+        self.calls.append(("forward", batch))
+
+    def backward_raw(self, packed, x, y, dy, stash, workspace, grads, grads_16bit, dx, batch, stream):
+        self.calls.append(("backward", grads_16bit, dx != 0))
+        dtype = torch.float16 if grads_16bit else torch.float32
+        values = torch.arange(self.num_parameters, dtype=dtype)  # entry i = i: the flat layout, visible per view
+        ctypes.memmove(grads, values.data_ptr(), values.numel() * values.element_size())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_autograd_plumbing_maps_the_flat_gradients_onto_the_parameters(monkeypatch, dtype):
+    """The CUDA path's autograd Function on CPU tensors with a stand-in engine: the training forward and one backward
+    run; the gradient vector comes back as one view per parameter in nn.Sequential's order and in the parameters'
+    dtype (16-bit written by the kernels directly, no cast); parameters that need no gradient get None; dL/dx only
+    when x requires it."""
+    monkeypatch.setattr(kfuse.mlp, "_cuda_stream", lambda device: 0)
+    m = FusedMLP(8, 4, [16, 16], bias=[True, False, True], dtype=dtype)
+    params = m._params()
+    engine = _RecordingEngine(sum(p.numel() for p in params))
+    packed = torch.empty(16, dtype=torch.uint8)
+    m.layers[1].weight.requires_grad_(False)
+    x = torch.randn(5, 8, dtype=torch.float16, requires_grad=True)
+    y = kfuse.mlp._FusedFunction.apply((engine, engine, packed, True, 4), x, *params)
+    assert y.shape == (5, 4) and y.dtype == torch.float16
+    grads = torch.autograd.grad(y, [x] + [p for p in params if p.requires_grad], torch.ones_like(y))
+    assert engine.calls == [("forward_train", 5), ("backward", dtype == torch.float16, True)]
+    assert grads[0].shape == x.shape
+    offset, got = 0, iter(grads[1:])
+    for p in params:
+        if p.requires_grad:
+            g = next(got)
+            assert g.shape == p.shape and g.dtype == p.dtype
+            assert torch.equal(g.flatten().float(), torch.arange(offset, offset + p.numel(), dtype=torch.float32))
+        offset += p.numel()
