@@ -109,16 +109,21 @@ struct MlpVariant {
   // recomputes them from x at the start of each row block into shared-memory tiles (with the forward weights of
   // those layers resident beside the transposed ones), trading ~2 x rows x width x 2 bytes of DRAM traffic per layer
   // (the stash write and its re-read) for one more GEMM of the layer per row. Needs fused_wgrad with those layers'
-  // successors' weight gradients inside the kernel, and activations whose derivative needs no pre-activation.
+  // successors' weight gradients inside the kernel (the mma.sync backward; the wgmma backward stores a recomputed
+  // input of an external weight gradient itself), and activations whose derivative needs no pre-activation.
   int recompute = 0;
   // The backward on Hopper warpgroup MMAs too (sm_90a; codegen/mlp_wgmma_backward.h): each warpgroup recomputes
-  // its 64 rows' hidden outputs into shared memory, runs the activation-gradient chain as wgmma with A in registers,
-  // and accumulates every weight gradient as wgmma over its rows (both operands from shared memory), overlapped
-  // with the chain. Needs the wgmma forward, fused_wgrad, m_tiles 1 and recompute = every hidden layer.
+  // its 64 rows' first `recompute` hidden outputs (the others come from the stash) into shared memory, runs the
+  // activation-gradient chain as wgmma, and accumulates the weight gradients as wgmma over its rows (both operands
+  // from shared memory), overlapped with the chain. Where they do not all fit its registers, the widest layers'
+  // weight gradients are cuBLAS GEMMs over the h and dz the kernel stores (their bias gradients stay inside).
+  // Needs the wgmma forward, fused_wgrad and m_tiles 1; with recompute, activations whose derivative needs no
+  // pre-activation.
   bool wgmma_backward = false;
 
   std::string name() const;   // e.g. "mt2_w4_resident", "mt1_w8_stream64", "mt2_w8_resident_fw", "mt1_w8_resident_wg",
-                              // "mt1_w8_resident_fw_rc4" (recompute 4), "mt1_w8_resident_fw_wg_rc4_wgb"
+                              // "mt1_w8_resident_fw_rc4" (recompute 4), "mt1_w8_resident_fw_wg_rc4_wgb",
+                              // "mt1_w8_resident_fw_wg_wgb" (wgmma backward, nothing recomputed)
   int rows_per_cta() const { return 16 * m_tiles * warps; }
   bool operator==(const MlpVariant&) const = default;
 };
