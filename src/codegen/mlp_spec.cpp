@@ -95,6 +95,7 @@ std::string recompute_problem(const MlpSpec& spec, const MlpVariant& v) {
 }  // namespace
 
 void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
+  spec.validate();  // the checks below index the spec's layers
   KFUSE_CHECK(v.m_tiles == 1 || v.m_tiles == 2, InvalidArgument, "MLP variant: m_tiles must be 1 or 2, got ",
               v.m_tiles);
   KFUSE_CHECK(v.warps >= 1 && v.warps <= 16, InvalidArgument, "MLP variant: warps must be in [1, 16], got ", v.warps);

@@ -307,6 +307,12 @@ TEST(MlpVariants, RecomputedActivationsAreNotStashed) {
 TEST(MlpVariants, WgmmaNeedsResidentWeightsAndWholeWarpgroups) {
   const MlpSpec s = make_spec(32, {64, 64, 64, 64}, 16);
   EXPECT_NO_THROW(validate_variant(s, {1, 4, true, 64, false, true}));
+  // An invalid spec is named before any variant check indexes its layers.
+  MlpSpec short_bias = s;
+  short_bias.bias = {true, true, true};
+  EXPECT_NE(error_of([&] { validate_variant(short_bias, {1, 8, true, 64, true, true, 0, true}); })
+                .find("expected one bias flag per layer (5), got 3"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { validate_variant(s, {1, 4, false, 64, false, true}); })
                 .find("wgmma forward needs resident weights"),
             std::string::npos);
@@ -535,6 +541,12 @@ std::vector<CompileCase> compile_cases() {
                    {1, 8, true, 64, true, true, 4, true}, "sm_90a"});
   cases.push_back({"wgmma_backward_w128_stashed_cubin_sm90a", make_spec(32, {128, 128, 128, 128}, 16),
                    {1, 8, true, 64, true, true, 0, true}, "sm_90a"});
+  // Stashed activations with a pre-activation derivative (silu: the chain reads z from the stash) beside an
+  // external layer; odd widths (112, 96, output 40) with 4 warps.
+  cases.push_back({"wgmma_backward_silu_stashed_sm90a", make_spec(32, {128, 128}, 16, "silu"),
+                   {1, 8, true, 64, true, true, 0, true}, "compute_90a"});
+  cases.push_back({"wgmma_backward_odd_widths_w4_sm90a", make_spec(20, {112, 96}, 40),
+                   {1, 4, true, 64, true, true, 0, true}, "compute_90a"});
   MlpSpec ext_tanh = make_spec(32, {128, 128, 128}, 16, "tanh", MlpDType::kBFloat16);
   ext_tanh.bias = {true, false, true, true};
   cases.push_back({"wgmma_backward_external_tanh_bf16_sm90a", ext_tanh, {1, 8, true, 64, true, true, 3, true},
