@@ -67,7 +67,7 @@ WgmmaBackwardPlan plan_with(const MlpSpec& s, const MlpVariant& v, const std::ve
   p.warpgroup_bytes = wg;
   // The end-of-kernel reduction: the gradient vector (mlp_wgrad_plan's layout: every parameter, true widths), then
   // the transposed layers' bias sums.
-  for (int l = 0; l < L; ++l) p.grad_floats += int64_t(s.layer_out(l)) * (s.layer_in(l) + (s.has_bias(l) ? 1 : 0));
+  p.grad_floats = s.num_parameters();
   int64_t reduce = p.grad_floats;
   for (int l = 0; l < L; ++l) {
     const bool sums = p.layers[l].transposed && s.has_bias(l);
