@@ -91,7 +91,8 @@ struct MlpVariant {
   int m_tiles = 1;            // 16-row MMA tiles per warp (1 or 2): rows per warp = 16 * m_tiles
   int warps = 4;              // warps per CTA: rows per CTA = 16 * m_tiles * warps
   bool weights_resident = true;  // all layers' weights in shared memory for the CTA's life (persistent CTAs);
-                                 // otherwise streamed through two shared-memory buffers in k-chunks
+                                 // otherwise streamed through shared-memory buffers in k-chunks (two; the
+                                 // wgmma forward's: up to four, mlp_layout.h)
   int k_chunk = 64;           // columns per streamed chunk (multiple of 16); ignored when resident
   // Weight and bias gradients inside the backward kernel: each CTA accumulates its share of every db and of the
   // dW that fit the register budget in registers over all its row blocks (the warps split each layer's dW), then
@@ -100,9 +101,10 @@ struct MlpVariant {
   // every layer's dz and cuBLAS computes every gradient from it.
   bool fused_wgrad = false;
   // The forward's layers as Hopper warpgroup MMAs (wgmma, sm_90a only): each warpgroup multiplies 64 rows per
-  // instruction with the activations in registers and the weights in shared memory (resident, in wgmma's core-matrix
-  // layout), and prefetches its next rows of x with cp.async while it computes. With m_tiles 2 a warpgroup runs two
-  // 64-row chains, one chain's activation math overlapping the other's MMAs. Needs resident weights and warps a
+  // instruction with the activations in registers and the weights in shared memory (in wgmma's core-matrix layout),
+  // and prefetches its next rows of x with cp.async while it computes. With m_tiles 2 a warpgroup runs two 64-row
+  // chains, one chain's activation math overlapping the other's MMAs. Without weights_resident the weights stream
+  // through shared memory in k_chunk-column chunks shared by the CTA's warpgroups (m_tiles 1). Needs warps a
   // multiple of 4. The backward is the same as without it.
   bool wgmma = false;
   // The first `recompute` hidden layers' outputs are not stashed by the training forward: the backward kernel
@@ -134,7 +136,7 @@ inline bool mlp_wgmma_supported(int cc_major, int cc_minor) { return cc_major ==
 
 // Throws InvalidArgument naming the field when a variant cannot run `spec` (m_tiles 1 or 2, warps 1..16, k_chunk a
 // multiple of 16, fused weight gradients only with resident weights and accumulators that fit, wgmma only with
-// resident weights and whole warpgroups).
+// whole warpgroups, and with streamed weights only with m_tiles 1).
 void validate_variant(const MlpSpec& spec, const MlpVariant& v);
 
 // Shared memory (bytes) a variant needs for its forward and backward kernels.
@@ -142,9 +144,9 @@ size_t mlp_forward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
 size_t mlp_backward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
 // The variants worth trying for a spec on a device with `smem_optin` bytes of shared memory per block (the
 // default first); the heuristic default alone is mlp_default_variant. With `hopper` (mlp_wgmma_supported) the
-// wgmma forward variants that fit join them.
+// wgmma forward variants that fit join them, and a network whose weights must stream defaults to the wgmma one.
 std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin, bool hopper = false);
-MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin);
+MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin, bool hopper = false);
 // Whether `v` can take fused_wgrad for `spec` (its value of fused_wgrad aside): resident weights, per-thread weight
 // gradient accumulators within the budget, shared memory within smem_optin.
 bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_optin);

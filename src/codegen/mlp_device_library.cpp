@@ -90,6 +90,11 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// Until at most PENDING of this thread's most recent cp.async groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
 
 // All threads of the CTA copy BYTES (a multiple of 16) from global to shared memory.
 template <int BYTES, int THREADS>

@@ -71,4 +71,31 @@ WgmmaForwardLayout wgmma_forward_layout(const MlpSpec& spec, const MlpVariant& v
   return w;
 }
 
+WgmmaStreamLayout wgmma_stream_layout(const MlpSpec& spec, const MlpVariant& v) {
+  WgmmaStreamLayout w;
+  const int L = spec.num_layers();
+  for (int l = 0; l < L; ++l)
+    w.stage_bytes = std::max<int64_t>(
+        w.stage_bytes, int64_t(spec.layer_out_padded(l)) * std::min(v.k_chunk, spec.layer_in_padded(l)) * 2);
+  // A narrow layer takes as many columns per chunk as a stage holds (the output layer: usually all of them), so
+  // that it costs one barrier rather than k / k_chunk.
+  for (int l = 0; l < L; ++l) {
+    const int n = spec.layer_out_padded(l), k = spec.layer_in_padded(l);
+    const int kc = std::min<int>(k, static_cast<int>(w.stage_bytes / (2 * n)) / 16 * 16);
+    for (int k0 = 0; k0 < k; k0 += kc) w.chunks.push_back({l, k0, std::min(kc, k - k0)});
+  }
+  // Two chunks ahead cover the L2 latency (PERF.md); a row block with a single chunk has one.
+  w.lookahead = std::min<int>(2, static_cast<int>(w.chunks.size()));
+  w.stages = w.lookahead + 2;
+  const int64_t warpgroups = v.warps / 4;
+  int widest_hidden = 0;
+  for (int l = 0; l + 1 < L; ++l) widest_hidden = std::max(widest_hidden, spec.layer_out_padded(l));
+  w.x_tile_offset = w.stages * w.stage_bytes;
+  w.x_tile_bytes = int64_t(64) * spec.layer_in_padded(0) * 2;
+  w.h_tile_offset = w.x_tile_offset + warpgroups * w.x_tile_bytes;
+  w.h_tile_bytes = int64_t(64) * widest_hidden * 2;
+  w.smem_bytes = w.h_tile_offset + warpgroups * w.h_tile_bytes;
+  return w;
+}
+
 }  // namespace kfuse::codegen

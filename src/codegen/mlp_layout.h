@@ -56,4 +56,26 @@ struct WgmmaForwardLayout {
 };
 WgmmaForwardLayout wgmma_forward_layout(const MlpSpec& spec, const MlpVariant& v);
 
+// The wgmma forward with streamed weights (MlpVariant::wgmma without weights_resident: wide networks whose weights
+// do not fit in shared memory), in bytes from its start:
+//   `stages` buffers of stage_bytes through which a row block's weights pass in `chunks` (a layer's columns k0 ..
+//   k0 + kc, in the core-matrix layout of an n x kc matrix); the chunk `lookahead` places ahead is requested while
+//   the warpgroups multiply the current one, and stages = lookahead + 2 (the chunk before the current one may
+//   still be in the tensor cores);
+//   per warpgroup its x tile (64 rows x in_padded) and its h tile (64 rows x the widest hidden layer), both A
+//   operands of 16-byte units as the wgmma backward's tiles (mlp_wgmma_backward.h): unit (r, c) at ((r / 8) *
+//   units + c) * 128 + (r % 8) * 16, units = the layer's K / 8.
+struct WgmmaStreamChunk {
+  int layer = 0, k0 = 0, kc = 0;
+};
+struct WgmmaStreamLayout {
+  std::vector<WgmmaStreamChunk> chunks;  // one row block's sequence, layer by layer
+  int64_t stage_bytes = 0;
+  int stages = 0, lookahead = 0;
+  int64_t x_tile_offset = 0, x_tile_bytes = 0;  // per warpgroup
+  int64_t h_tile_offset = 0, h_tile_bytes = 0;  // per warpgroup
+  int64_t smem_bytes = 0;
+};
+WgmmaStreamLayout wgmma_stream_layout(const MlpSpec& spec, const MlpVariant& v);
+
 }  // namespace kfuse::codegen

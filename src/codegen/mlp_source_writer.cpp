@@ -157,7 +157,8 @@ const char* const kFwdParams =
 void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m) {
   if (v.wgmma) {
     os << kFwdParams;
-    write_wgmma_forward_body(os, s, v, m);
+    if (v.weights_resident) write_wgmma_forward_body(os, s, v, m);
+    else write_wgmma_stream_forward_body(os, s, v, m);
     write_forward_kernels(os);
     return;
   }
@@ -490,13 +491,14 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
      << "#define KFUSE_BF16 " << (spec.dtype == MlpDType::kBFloat16 ? 1 : 0) << "\n"
      << mlp_device_library() << "\n";
   // sm_90a only: the wgmma forward's part, and the backward part of a wgmma-backward variant.
-  std::set<int> register_a, chain_ss, shared_a;
+  std::set<int> register_a, chain_ss, shared_a, shared_k;
   if (fwd && variant.wgmma)
-    for (int l = 0; l < spec.num_layers(); ++l) register_a.insert(spec.layer_out_padded(l));
+    for (int l = 0; l < spec.num_layers(); ++l)
+      (variant.weights_resident ? register_a : shared_k).insert(spec.layer_out_padded(l));
   if (bwd && variant.wgmma_backward)
     wgmma_backward_widths(spec, wgmma_backward_plan(spec, variant), register_a, chain_ss, shared_a);
-  if (!register_a.empty() || !chain_ss.empty() || !shared_a.empty())
-    write_wgmma_library(os, register_a, chain_ss, shared_a);
+  if (!register_a.empty() || !chain_ss.empty() || !shared_a.empty() || !shared_k.empty())
+    write_wgmma_library(os, register_a, chain_ss, shared_a, shared_k);
   os << "constexpr int MT = " << variant.m_tiles << ";\n"
      << "constexpr int WARPS = " << variant.warps << ";\n"
      << "constexpr int THREADS = WARPS * 32;\n"

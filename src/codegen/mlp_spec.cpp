@@ -117,7 +117,9 @@ void validate_variant(const MlpSpec& spec, const MlpVariant& v) {
   const std::string rc = recompute_problem(spec, v);
   KFUSE_CHECK(rc.empty(), InvalidArgument, "variant ", v.name(), ": ", rc);
   if (v.wgmma) {
-    KFUSE_CHECK(v.weights_resident, InvalidArgument, "variant ", v.name(), ": the wgmma forward needs resident weights");
+    // Streamed weights: one chain per warpgroup (two would hold four layers' accumulators at the widths that stream).
+    KFUSE_CHECK(v.weights_resident || v.m_tiles == 1, InvalidArgument, "variant ", v.name(),
+                ": the wgmma forward with streamed weights needs m_tiles 1, got ", v.m_tiles);
     KFUSE_CHECK(v.warps % 4 == 0, InvalidArgument, "variant ", v.name(),
                 ": the wgmma forward needs whole warpgroups (warps a multiple of 4), got ", v.warps, " warps");
   }
@@ -135,7 +137,9 @@ std::string MlpVariant::name() const {
 // Shared-memory rows are padded by 8 halves (16 bytes) so that ldmatrix's eight row addresses fall into distinct
 // bank groups (row strides of 16 * odd bytes).
 size_t mlp_forward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
-  if (v.wgmma) return static_cast<size_t>(codegen::wgmma_forward_layout(s, v).smem_bytes);
+  if (v.wgmma)
+    return static_cast<size_t>(v.weights_resident ? codegen::wgmma_forward_layout(s, v).smem_bytes
+                                                  : codegen::wgmma_stream_layout(s, v).smem_bytes);
   size_t total = 0, chunk = 0;
   for (int l = 0; l < s.num_layers(); ++l) {
     const size_t n = s.layer_out_padded(l), k = s.layer_in_padded(l);
@@ -171,7 +175,7 @@ bool fits(const MlpSpec& s, const MlpVariant& v, size_t smem_optin) {
 }
 }  // namespace
 
-MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin) {
+MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin, bool hopper) {
   MlpVariant v;
   // Registers per thread hold a warp's activations: 16 * m_tiles rows x width as fp32 accumulators (width / 2 per
   // 16 rows) plus the previous layer as fp16 fragments (width / 4): two 16-row tiles fit up to width 64.
@@ -180,6 +184,15 @@ MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin) {
   v.weights_resident = fits(spec, v, smem_optin);
   v.k_chunk = 64;
   if (!v.weights_resident && !fits(spec, v, smem_optin)) v.k_chunk = 32;
+  if (hopper && !v.weights_resident) {
+    // Streamed weights on Hopper: the wgmma forward (two to three times the mma.sync one's speed at width 256, and
+    // a tenth of its compile time; PERF.md), with the widest chunks that fit.
+    for (int kc : {64, 32}) {
+      MlpVariant g{1, 8, false, kc};
+      g.wgmma = true;
+      if (fits(spec, g, smem_optin)) return g;
+    }
+  }
   // Fused weight gradients wherever they fit: with the CTA as it is, else with 8 warps to share the accumulators
   // (the same rows per warp: the forward's per-warp code stays the same), else also with one 16-row tile per warp.
   for (const auto& [m_tiles, warps] : {std::pair{v.m_tiles, v.warps}, {v.m_tiles, 8}, {1, 8}}) {
@@ -206,7 +219,7 @@ bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_
 }
 
 std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin, bool hopper) {
-  std::vector<MlpVariant> out{mlp_default_variant(spec, smem_optin)};
+  std::vector<MlpVariant> out{mlp_default_variant(spec, smem_optin, hopper)};
   for (int mt : {1, 2})
     for (int warps : {4, 8, 16})
       for (int kc : {0, 32, 64}) {
@@ -239,6 +252,16 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
           out.push_back(v);
         }
       }
+    // With streamed weights, where they do not all fit: one or two warpgroups per CTA, 32 or 64 columns per chunk.
+    MlpVariant resident{1, 8, true, 64};
+    resident.wgmma = true;
+    if (!fits(spec, resident, smem_optin))
+      for (int warps : {8, 4})
+        for (int kc : {64, 32}) {
+          MlpVariant v{1, warps, false, kc};
+          v.wgmma = true;
+          if (fits(spec, v, smem_optin) && std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+        }
   }
   // The training step with recomputed activations: two hidden layers, or all of them.
   const int hidden = spec.num_layers() - 1;

@@ -9,7 +9,7 @@
 namespace kfuse::codegen {
 
 void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& chain_ss,
-                         const std::set<int>& shared_a) {
+                         const std::set<int>& shared_a, const std::set<int>& shared_k) {
   os << R"KFUSE(
 // Hopper warpgroup MMA (wgmma). The four warps of a warpgroup issue each instruction together: it multiplies 64
 // rows (16 per warp; the A fragments in registers exactly as mma.sync's m16n8k16 A operand) by a K = 16 slice of
@@ -44,6 +44,35 @@ __device__ __forceinline__ void copy_core_matrices(u32 dst, const u16* src) {
   for (int i = threadIdx.x; i < N * PIECES; i += THREADS) {
     const int r = i / PIECES, c = i % PIECES;
     cp_async16(dst + ((r >> 3) * DST_PIECES + c) * 128 + (r & 7) * 16, src + r * SRC_LD + c * 8);
+  }
+}
+// The same for a streamed chunk, every row block: each thread copies the same column piece of rows R_STEP apart,
+// its addresses one base plus immediate offsets. The base goes through an opaque move: otherwise the compiler
+// hoists every chunk's addresses out of the row-block loop (100 64-bit registers at width 256: ptxas spilled).
+// The chunk starts OFFSET + extra halves into `w` (extra: a run-time layer's distance).
+template <int N, int K, int SRC_LD, int THREADS, long long OFFSET>
+__device__ __forceinline__ void copy_chunk_core_matrices(u32 dst, const u16* w, int extra) {
+  constexpr int PIECES = K / 8;
+  const u16* src;
+  asm volatile("mov.b64 %0, %1;" : "=l"(src) : "l"(w));
+  src += OFFSET + extra;
+  if constexpr (THREADS % PIECES != 0) {
+    copy_core_matrices<N, K, SRC_LD, THREADS>(dst, src);
+  } else {
+    constexpr int R_STEP = THREADS / PIECES;
+    const int r0 = threadIdx.x / PIECES, c = threadIdx.x % PIECES;
+    const u32 d = dst + ((r0 >> 3) * PIECES + c) * 128 + (r0 & 7) * 16;
+    const u16* s = src + r0 * SRC_LD + c * 8;
+#pragma unroll
+    for (int it = 0; it < (N + R_STEP - 1) / R_STEP; ++it) {
+      if (N % R_STEP != 0 && r0 + it * R_STEP >= N) break;
+      if constexpr (R_STEP % 8 == 0) {
+        cp_async16(d + it * (R_STEP / 8) * PIECES * 128, s + it * R_STEP * SRC_LD);
+      } else {
+        const int r = r0 + it * R_STEP;
+        cp_async16(dst + ((r >> 3) * PIECES + c) * 128 + (r & 7) * 16, s + it * R_STEP * SRC_LD);
+      }
+    }
   }
 }
 // The bias as one more K = 16 slice of a layer's weights (pieces K8 and K8 + 1 of each row, PIECES per row): column
@@ -114,6 +143,18 @@ __device__ __forceinline__ void store_a_units(u32 tile, const u32 (&a)[1][KT][4]
   for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) st_shared_u32(unit_addr<UNITS>(tile, r + 8 * (i & 1), 2 * kt + (i >> 1)) + 4 * q, a[0][kt][i]);
+}
+// A warp's C-layout accumulators of its 16 rows (from wr, a multiple of 8), rounded to 16 bits, into the tile
+// (unit c = columns 8c ..). One base address plus immediate offsets: 64 addresses per layer, hoisted out of the
+// row-block loop, would take registers the accumulators need.
+template <int UNITS, int NT>
+__device__ __forceinline__ void store_c_units(u32 tile, const float (&acc)[1][NT][4], int wr, int lane) {
+  const u32 base = unit_addr<UNITS>(tile, wr + (lane >> 2), 0) + 4 * (lane & 3);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      st_shared_u32(base + (h * UNITS + nt) * 128, pack2(acc[0][nt][2 * h], acc[0][nt][2 * h + 1]));
 }
 // The C-layout values of a warp's 16 rows as floats.
 template <int UNITS, int NT>
@@ -259,6 +300,34 @@ __device__ __forceinline__ void add_wgrad(const float (&d)[1][NT][4], float* w, 
   for (int n : shared_a)
     mma_function("wgmma_mma_ss", n, "unsigned long long desc_a, unsigned long long desc_b", "#0, #1", 2,
                  "1, 1, 1, 1", "\"l\"(desc_a), \"l\"(desc_b), \"r\"(1)");
+  // Both operands K-major in shared memory: the streamed forward (A = the warpgroup's x or h tile).
+  for (int n : shared_k)
+    mma_function("wgmma_mma_kk", n, "unsigned long long desc_a, unsigned long long desc_b, int scale_d", "#0, #1", 2,
+                 "1, 1, 0, 0", "\"l\"(desc_a), \"l\"(desc_b), \"r\"(scale_d)");
+  if (!shared_k.empty())
+    os << R"KFUSE(// K = 16 slices KT0 .. KT1 - 1 of a streamed layer: A's from its tile, B's from the chunk at desc_b (slice KT0).
+// A layer's first slice overwrites the accumulators (scale-d 0); its epilogue adds the bias.
+template <int KT0, int KT1, int NT>
+__device__ __forceinline__ void wgmma_chunk_ss(float (&d)[1][NT][4], unsigned long long desc_a,
+                                               unsigned long long desc_b) {
+#pragma unroll
+  for (int kt = KT0; kt < KT1; ++kt)
+    wgmma_mma_kk(d, desc_a + static_cast<unsigned long long>(kt * 16),
+                 desc_b + static_cast<unsigned long long>((kt - KT0) * 16), kt == 0 ? 0 : 1);
+}
+// acc += bias (per column; the thread's columns 8 nt + 2q and + 1).
+template <int NT>
+__device__ __forceinline__ void add_bias(float (&acc)[1][NT][4], const float* __restrict__ bias, int q) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const float2 b = *reinterpret_cast<const float2*>(bias + nt * 8 + 2 * q);
+    acc[0][nt][0] += b.x;
+    acc[0][nt][1] += b.y;
+    acc[0][nt][2] += b.x;
+    acc[0][nt][3] += b.y;
+  }
+}
+)KFUSE";
   os << R"KFUSE(// One layer of a chain: every K = 16 slice (the next slice's two core matrices are 256 bytes further).
 template <int NT, int KT>
 __device__ __forceinline__ void wgmma_layer(float (&d)[1][NT][4], const u32 (&a)[1][KT][4], unsigned long long desc) {

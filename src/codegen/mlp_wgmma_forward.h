@@ -17,13 +17,18 @@ namespace kfuse::codegen {
 
 // Device helpers for wgmma (fence, commit, wait, descriptors, the core-matrix copy, the wgmma backward's tiles) and
 // the MMA functions: `wgmma_mma` (A in registers, B K-major) for each N in `register_a`, `wgmma_mma_chain` (A
-// K-major and B MN-major in shared memory) and `wgmma_mma_mn` (A in registers, B MN-major) for each N in `chain_ss`, `wgmma_mma_ss` (both operands MN-major in
-// shared memory) for each N in `shared_a`. Needs the device library before it.
+// K-major and B MN-major in shared memory) and `wgmma_mma_mn` (A in registers, B MN-major) for each N in
+// `chain_ss`, `wgmma_mma_ss` (both operands MN-major in shared memory) for each N in `shared_a`, `wgmma_mma_kk`
+// (both K-major in shared memory) for each N in `shared_k`. Needs the device library before it.
 void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a, const std::set<int>& chain_ss,
-                         const std::set<int>& shared_a);
+                         const std::set<int>& shared_a, const std::set<int>& shared_k = {});
 
 // `template <bool TRAIN> forward_body(const FwdParams&)` of a wgmma variant (the caller declares FwdParams, the
 // activation functors and the kernels that call it).
 void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& spec, const MlpVariant& v, const MlpLayout& m);
+// The same with the weights streamed through shared memory in chunks (MlpVariant::wgmma without weights_resident;
+// mlp_layout.h WgmmaStreamLayout): one 64-row chain per warpgroup, every warpgroup multiplying the same chunk.
+void write_wgmma_stream_forward_body(std::ostringstream& os, const MlpSpec& spec, const MlpVariant& v,
+                                     const MlpLayout& m);
 
 }  // namespace kfuse::codegen

@@ -10,6 +10,7 @@ list(APPEND KFUSE_CORE_SOURCES
   codegen/mlp_device_library.cpp
   codegen/mlp_source_writer.cpp
   codegen/mlp_wgmma_forward.cpp
+  codegen/mlp_wgmma_stream_forward.cpp
   codegen/mlp_wgmma_backward.cpp
   codegen/kernel_cache.cpp)
 set(KFUSE_CODEGEN_LIBS "")

@@ -244,7 +244,9 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
   check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
              "cudaDeviceGetAttribute(shared memory)");
   m.smem_optin = static_cast<size_t>(optin);
-  m.variant = variant.m_tiles == 0 ? mlp_default_variant(spec, m.smem_optin) : variant;
+  m.variant = variant.m_tiles == 0
+                  ? mlp_default_variant(spec, m.smem_optin, mlp_wgmma_supported(m.dev.major, m.dev.minor))
+                  : variant;
   validate_variant(spec, m.variant);  // before anything divides by its fields
   KFUSE_CHECK(!m.variant.wgmma || mlp_wgmma_supported(m.dev.major, m.dev.minor), Unsupported, "MLP variant ",
               m.variant.name(), ": the wgmma forward needs a compute capability 9.0 device (Hopper); ", m.dev.name,

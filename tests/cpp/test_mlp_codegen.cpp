@@ -140,9 +140,17 @@ TEST(MlpVariants, DefaultFitsAndStreamsWhenWeightsDoNot) {
   EXPECT_FALSE(b.weights_resident);  // 4 x 128 KiB of weights
   EXPECT_LE(mlp_forward_smem_bytes(big, b), 227u * 1024);
   EXPECT_LE(mlp_backward_smem_bytes(big, b), 227u * 1024);
-  for (const MlpVariant& c : mlp_candidate_variants(big, 227 * 1024))
+  EXPECT_FALSE(b.wgmma);
+  for (const MlpVariant& c : mlp_candidate_variants(big, 227 * 1024, true))
     EXPECT_LE(std::max(mlp_forward_smem_bytes(big, c), mlp_backward_smem_bytes(big, c)), 227u * 1024) << c.name();
   EXPECT_GE(mlp_candidate_variants(small, 227 * 1024).size(), 4u);
+  // On Hopper the streamed default is the wgmma forward; resident weights stay the mma.sync default.
+  const MlpVariant h = mlp_default_variant(big, 227 * 1024, true);
+  EXPECT_EQ(h.name(), "mt1_w8_stream64_wg");
+  EXPECT_EQ(mlp_candidate_variants(big, 227 * 1024, true).front(), h);
+  EXPECT_EQ(mlp_default_variant(small, 227 * 1024, true), v);
+  // Less shared memory than it needs: 32-column chunks.
+  EXPECT_EQ(mlp_default_variant(big, mlp_forward_smem_bytes(big, h) - 1, true).k_chunk, 32);
 }
 
 TEST(MlpVariants, NamesAreStable) {
@@ -304,7 +312,7 @@ TEST(MlpVariants, RecomputedActivationsAreNotStashed) {
   EXPECT_GE(rc4, 1);
 }
 
-TEST(MlpVariants, WgmmaNeedsResidentWeightsAndWholeWarpgroups) {
+TEST(MlpVariants, WgmmaNeedsWholeWarpgroupsAndStreamsOneChain) {
   const MlpSpec s = make_spec(32, {64, 64, 64, 64}, 16);
   EXPECT_NO_THROW(validate_variant(s, {1, 4, true, 64, false, true}));
   // An invalid spec is named before any variant check indexes its layers.
@@ -313,19 +321,23 @@ TEST(MlpVariants, WgmmaNeedsResidentWeightsAndWholeWarpgroups) {
   EXPECT_NE(error_of([&] { validate_variant(short_bias, {1, 8, true, 64, true, true, 0, true}); })
                 .find("expected one bias flag per layer (5), got 3"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { validate_variant(s, {1, 4, false, 64, false, true}); })
-                .find("wgmma forward needs resident weights"),
+  EXPECT_NO_THROW(validate_variant(s, {1, 4, false, 64, false, true}));
+  EXPECT_NE(error_of([&] { validate_variant(s, {2, 4, false, 64, false, true}); })
+                .find("wgmma forward with streamed weights needs m_tiles 1, got 2"),
             std::string::npos);
   EXPECT_NE(error_of([&] { validate_variant(s, {1, 6, true, 64, false, true}); })
                 .find("whole warpgroups (warps a multiple of 4), got 6"),
             std::string::npos);
-  // Candidates: wgmma forwards only for Hopper, and only where the weights fit (not at width 256).
+  // Candidates: wgmma forwards only for Hopper; with streamed weights only where the weights do not fit (width 256:
+  // one or two warpgroups, 32 or 64 columns per chunk).
   auto count_wgmma = [](const std::vector<MlpVariant>& c) {
     return std::count_if(c.begin(), c.end(), [](const MlpVariant& v) { return v.wgmma && !v.fused_wgrad; });
   };
   EXPECT_EQ(count_wgmma(mlp_candidate_variants(s, 227 * 1024)), 0);
   EXPECT_EQ(count_wgmma(mlp_candidate_variants(s, 227 * 1024, true)), 5);
-  EXPECT_EQ(count_wgmma(mlp_candidate_variants(make_spec(32, {256, 256, 256, 256}, 16), 227 * 1024, true)), 0);
+  EXPECT_EQ(count_wgmma(mlp_candidate_variants(make_spec(32, {256, 256, 256, 256}, 16), 227 * 1024, true)), 4);
+  for (const MlpVariant& v : mlp_candidate_variants(s, 227 * 1024, true))
+    if (v.wgmma) EXPECT_TRUE(v.weights_resident) << v.name();
   const MlpSpec w128 = make_spec(32, {128, 128, 128, 128}, 16);
   EXPECT_EQ(count_wgmma(mlp_candidate_variants(w128, 227 * 1024, true)), 2) << "one chain per warpgroup past 64";
   for (const MlpVariant& v : mlp_candidate_variants(w128, 227 * 1024, true))
@@ -339,6 +351,48 @@ TEST(MlpVariants, WgmmaNeedsResidentWeightsAndWholeWarpgroups) {
   EXPECT_EQ(w.x_tile_bytes_per_warp, 32 * (32 + 8) * 2);
   EXPECT_EQ(w.smem_bytes, w.x_tile_offset + 8 * 32 * 40 * 2 + 8 * 32 * 72 * 2);
   EXPECT_EQ(mlp_forward_smem_bytes(s, {2, 8, true, 64, false, true}), size_t(w.smem_bytes));
+}
+
+TEST(MlpVariants, WgmmaStreamLayout) {
+  // The bench's width 256: 64-column chunks of 256 x 64 halves (32 KiB), the output layer's 16 x 256 in one chunk,
+  // four stages; per warpgroup a 64-row x tile (input 32) and h tile (width 256).
+  const MlpSpec s = make_spec(32, {256, 256, 256, 256}, 16);
+  MlpVariant v{1, 8, false, 64};
+  v.wgmma = true;
+  const codegen::WgmmaStreamLayout w = codegen::wgmma_stream_layout(s, v);
+  EXPECT_EQ(w.stage_bytes, 256 * 64 * 2);
+  ASSERT_EQ(w.chunks.size(), 1u + 3 * 4 + 1);
+  EXPECT_EQ(w.chunks.front().kc, 32);
+  EXPECT_EQ(w.chunks.back().layer, 4);
+  EXPECT_EQ(w.chunks.back().kc, 256);
+  EXPECT_EQ(w.chunks[3].layer, 1);
+  EXPECT_EQ(w.chunks[3].k0, 128);
+  EXPECT_EQ(w.lookahead, 2);
+  EXPECT_EQ(w.stages, 4);
+  EXPECT_EQ(w.x_tile_offset, 4 * 32768);
+  EXPECT_EQ(w.x_tile_bytes, 64 * 32 * 2);
+  EXPECT_EQ(w.h_tile_offset, 4 * 32768 + 2 * 64 * 32 * 2);
+  EXPECT_EQ(w.h_tile_bytes, 64 * 256 * 2);
+  EXPECT_EQ(mlp_forward_smem_bytes(s, v), size_t(w.h_tile_offset + 2 * w.h_tile_bytes));
+  // The three hidden layers of one shape run as one loop (r); layers 0 and 4 are written out.
+  const std::string src = codegen::generate_mlp_source(s, v, codegen::MlpModulePart::kForward);
+  EXPECT_EQ(count_of(src, "for (int r = 0; r < 3; ++r)"), 1);
+  EXPECT_EQ(count_of(src, "wgmma_chunk_ss<"), 1 + 4 + 1);
+  // Layers of one shape with a stashed pre-activation (gelu), no bias: a loop over layers 2 and 3 whose stash
+  // arrays (h, then z) are 2 x 256 elements per row apart.
+  MlpSpec gelu = make_spec(3, {48, 256, 256, 256, 80}, 5, "gelu");
+  gelu.bias = {true, false, false, false, true, false};
+  const std::string g = codegen::generate_mlp_source(gelu, v, codegen::MlpModulePart::kForward);
+  EXPECT_EQ(count_of(g, "for (int r = 0; r < 2; ++r)"), 1);
+  const codegen::MlpLayout gm = codegen::mlp_layout(gelu);
+  EXPECT_EQ(count_of(g, "p.stash + (" + std::to_string(gm.stash_z_offset[2]) + " + r * 512) * p.batch"), 1);
+  EXPECT_EQ(count_of(g, "p.stash + (" + std::to_string(gm.stash_h_offset[2]) + " + r * 512) * p.batch"), 1);
+  // A network of two chunks per row block: one ahead, three stages.
+  v.k_chunk = 256;
+  const codegen::WgmmaStreamLayout two = codegen::wgmma_stream_layout(make_spec(32, {16}, 16), v);
+  EXPECT_EQ(two.chunks.size(), 2u);
+  EXPECT_EQ(two.lookahead, 2);
+  EXPECT_EQ(two.stages, 4);
 }
 
 TEST(MlpVariants, FusedWeightGradientsWhereTheAccumulatorsFit) {
@@ -488,6 +542,19 @@ std::vector<CompileCase> compile_cases() {
                       builtin_activation("identity")};
   cases.push_back({"all_activations_user_sm80", acts, {2, 4, true, 64}, "compute_80"});
   cases.push_back({"w256_streamed_sm90", make_spec(32, {256, 256}, 16), {1, 8, false, 64}, "sm_90"});
+  // The wgmma forward with streamed weights: the bench's width 256 (its default on Hopper), and an odd bf16 network
+  // with a loop over two hidden layers that stash their pre-activation (gelu), missing biases, input 3, output 5,
+  // one warpgroup and 32-column chunks.
+  {
+    MlpVariant v{1, 8, false, 64};
+    v.wgmma = true;
+    cases.push_back({"wgmma_stream_w256_cubin_sm90a", make_spec(32, {256, 256, 256, 256}, 16), v, "sm_90a"});
+    MlpSpec odd_stream = make_spec(3, {48, 256, 256, 256, 80}, 5, "gelu", MlpDType::kBFloat16);
+    odd_stream.bias = {true, false, false, false, true, false};
+    v.warps = 4;
+    v.k_chunk = 32;
+    cases.push_back({"wgmma_stream_odd_gelu_bf16_sm90a", odd_stream, v, "compute_90a"});
+  }
   // Fused weight gradients: every width where the default takes them, odd input/output widths (zero-filled
   // padding, an input width that is no multiple of 8), layers without bias, bf16, every activation.
   for (int w : {16, 32, 48, 64}) {

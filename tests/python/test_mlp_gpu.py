@@ -193,6 +193,13 @@ WGMMA_CASES = {
     "external_tanh_bf16_wgmma_backward": dict(in_w=32, hidden=[128] * 3, out_w=16, act="tanh", dtype=torch.bfloat16,
                                               bias=[True, False, True, True],
                                               variant=(1, 8, True, 64, True, True, 3, True)),
+    # Streamed weights (the default at width 256 on Hopper): the bench's network, and an odd bf16 network with a loop
+    # over two hidden layers that stash their pre-activation (gelu), missing biases, one warpgroup, 32-column chunks.
+    "w256_stream_w8": dict(in_w=32, hidden=[256] * 4, out_w=16, act="relu", dtype=torch.float16, bias=True,
+                           variant=(1, 8, False, 64, False, True)),
+    "odd_stream_gelu_bf16_w4": dict(in_w=3, hidden=[48, 256, 256, 256, 80], out_w=5, act="gelu",
+                                    dtype=torch.bfloat16, bias=[True, False, False, False, True, False],
+                                    variant=(1, 4, False, 32, False, True)),
 }
 
 
@@ -246,21 +253,26 @@ def test_fused_weight_gradients_are_deterministic(variant):
 
 def test_default_variant_fuses_weight_gradients_where_they_fit():
     # width 64: every gradient inside the kernel; 128: the biases and the first layer's weights (the rest by
-    # cuBLAS); 256: streamed weights, no fused gradients
+    # cuBLAS); 256: streamed weights, no fused gradients, and on Hopper the wgmma forward
     for width, fused in ((64, True), (128, True), (256, False)):
         m = make(32, [width] * 4, 16)
-        assert m.engine(torch.device("cuda", 0), torch.float16).build_info["variant"].endswith("_fw") == fused
+        name = m.engine(torch.device("cuda", 0), torch.float16).build_info["variant"]
+        assert name.endswith("_fw") == fused
+        if width == 256:
+            assert name == ("mt1_w8_stream64_wg" if is_hopper() else "mt1_w8_stream64")
 
 
 @pytest.mark.parametrize("variant", [None, (1, 4, True, 64, False), (1, 8, True, 64, True, False, 2),
-                                     (1, 8, True, 64, True, True, 2, True), (1, 8, True, 64, True, True, 0, True)],
-                         ids=["default", "cublas_wgrad", "recompute2", "wgmma_backward", "wgmma_backward_stashed"])
+                                     (1, 8, True, 64, True, True, 2, True), (1, 8, True, 64, True, True, 0, True),
+                                     (1, 8, False, 32, False, True)],
+                         ids=["default", "cublas_wgrad", "recompute2", "wgmma_backward", "wgmma_backward_stashed",
+                              "wgmma_stream"])
 @pytest.mark.parametrize("width", [64, 128])
 def test_outputs_poisoned_before_the_run_are_overwritten(variant, width):
     """Outputs and the stash start as NaN: every output is written, and the backward reads only stash arrays its
     forward_train wrote (with recomputed activations, the first layers' arrays stay NaN) or it wrote itself (the
     wgmma backward's inputs of external weight gradients, at width 128)."""
-    if variant is not None and len(variant) > 7 and not is_hopper():
+    if variant is not None and len(variant) > 5 and variant[5] and not is_hopper():
         pytest.skip("wgmma needs a compute capability 9.0 GPU")
     if width == 128 and variant is not None and len(variant) == 7:
         pytest.skip("the mma.sync backward cannot recompute at width 128 (its layer 1 weight gradient is cuBLAS's)")
