@@ -46,32 +46,34 @@ __device__ __forceinline__ void copy_core_matrices(u32 dst, const u16* src) {
     cp_async16(dst + ((r >> 3) * DST_PIECES + c) * 128 + (r & 7) * 16, src + r * SRC_LD + c * 8);
   }
 }
-// The same for a streamed chunk, every row block: each thread copies the same column piece of rows R_STEP apart,
-// its addresses one base plus immediate offsets. The base goes through an opaque move: otherwise the compiler
-// hoists every chunk's addresses out of the row-block loop (100 64-bit registers at width 256: ptxas spilled).
-// The chunk starts OFFSET + extra halves into `w` (extra: a run-time layer's distance).
+// The same for a streamed chunk, every row block. The 16-byte slots go in shared-memory order: eight consecutive
+// threads fill one core matrix (8 rows of one 16-byte column piece: 128 contiguous bytes, no bank conflict), a
+// warp four pieces of those rows (64 contiguous bytes of each global row). Row-order slots (eight threads along a
+// row) wrote eight core matrices 128 bytes apart at once, a bank conflict that also split each copy into twice
+// the L2 sectors (ncu; PERF.md). Each thread's addresses are one base plus immediate offsets, the base through an
+// opaque move: otherwise the compiler hoists every chunk's addresses out of the row-block loop (100 64-bit
+// registers at width 256: ptxas spilled). The chunk starts OFFSET + extra halves into `w` (extra: a run-time
+// layer's distance).
 template <int N, int K, int SRC_LD, int THREADS, long long OFFSET>
 __device__ __forceinline__ void copy_chunk_core_matrices(u32 dst, const u16* w, int extra) {
-  constexpr int PIECES = K / 8;
+  constexpr int PIECES = K / 8, SLOTS = N * PIECES;
   const u16* src;
   asm volatile("mov.b64 %0, %1;" : "=l"(src) : "l"(w));
   src += OFFSET + extra;
-  if constexpr (THREADS % PIECES != 0) {
-    copy_core_matrices<N, K, SRC_LD, THREADS>(dst, src);
-  } else {
-    constexpr int R_STEP = THREADS / PIECES;
-    const int r0 = threadIdx.x / PIECES, c = threadIdx.x % PIECES;
-    const u32 d = dst + ((r0 >> 3) * PIECES + c) * 128 + (r0 & 7) * 16;
-    const u16* s = src + r0 * SRC_LD + c * 8;
+  if constexpr ((THREADS / 8) % PIECES == 0) {
+    constexpr int ROW_STEP = THREADS / PIECES;  // rows per pass
+    const int rest = threadIdx.x >> 3, c = rest % PIECES, r = rest / PIECES * 8 + (threadIdx.x & 7);
+    const u32 d = dst + threadIdx.x * 16;
+    const u16* s = src + r * SRC_LD + c * 8;
 #pragma unroll
-    for (int it = 0; it < (N + R_STEP - 1) / R_STEP; ++it) {
-      if (N % R_STEP != 0 && r0 + it * R_STEP >= N) break;
-      if constexpr (R_STEP % 8 == 0) {
-        cp_async16(d + it * (R_STEP / 8) * PIECES * 128, s + it * R_STEP * SRC_LD);
-      } else {
-        const int r = r0 + it * R_STEP;
-        cp_async16(dst + ((r >> 3) * PIECES + c) * 128 + (r & 7) * 16, s + it * R_STEP * SRC_LD);
-      }
+    for (int it = 0; it < (SLOTS + THREADS - 1) / THREADS; ++it) {
+      if (SLOTS % THREADS != 0 && static_cast<int>(threadIdx.x) + it * THREADS >= SLOTS) break;
+      cp_async16(d + it * THREADS * 16, s + it * ROW_STEP * SRC_LD);
+    }
+  } else {
+    for (int i = threadIdx.x; i < SLOTS; i += THREADS) {
+      const int rest = i >> 3, c = rest % PIECES, r = rest / PIECES * 8 + (i & 7);
+      cp_async16(dst + i * 16, src + r * SRC_LD + c * 8);
     }
   }
 }
