@@ -178,9 +178,9 @@ struct MlpBuildInfo {
 
 // The fused MLP on one CUDA device. Construction generates, compiles (or finds in the cache) and loads the kernels;
 // throws Unsupported without a CUDA device of compute capability >= 8.0 and InvalidArgument for invalid specs.
-// Every call is asynchronous on `stream` (a cudaStream_t; nullptr = the legacy default stream). The forward kernels
-// are compiled (or loaded) by the constructor; the backward kernels on a helper thread from then on, loaded by the
-// first backward().
+// Every call is asynchronous on `stream` (a cudaStream_t; nullptr = the legacy default stream). The inference
+// forward is compiled (or loaded) by the constructor; the training kernels (forward_train and the backward) on a
+// helper thread from then on, loaded by the first forward_train() or backward().
 class FusedMlp {
  public:
   using Stream = CUstream_st*;

@@ -46,7 +46,7 @@ def _sequential(width: int, seed: int) -> nn.Sequential:
 def _build_child(width: int) -> None:
     """In a fresh process (its KFUSE_CACHE_DIR set by the parent): a new MLP of the workload's shape. Prints one JSON
     line: the forward module's compile (or cache) + load time (`s`), the time until a first training step on 256
-    rows has completed (`train_s`: the backward module too), and the forward engine's build info."""
+    rows has completed (`train_s`: the training module too), and the forward engine's build info."""
     torch.cuda.init()
     model = _sequential(width, seed=1000 + width).cuda().half()
     x = torch.randn(256, MLP_IN, device="cuda", dtype=torch.float16)

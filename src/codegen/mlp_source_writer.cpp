@@ -143,23 +143,32 @@ void write_pack_kernel(std::ostringstream& os, const MlpSpec& s, const MlpLayout
   os << "}\n\n";
 }
 
-void write_forward_kernels(std::ostringstream& os) {
-  os << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward(FwdParams p) { "
-        "forward_body<false>(p); }\n"
-     << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward_train(FwdParams p) { "
-        "forward_body<true>(p); }\n\n";
+// The inference forward and/or the training forward (MlpModulePart).
+struct ForwardKernels {
+  bool inference = true, train = true;
+};
+
+void write_forward_kernels(std::ostringstream& os, ForwardKernels k) {
+  if (k.inference)
+    os << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward(FwdParams p) { "
+          "forward_body<false>(p); }\n";
+  if (k.train)
+    os << "extern \"C\" __global__ void __launch_bounds__(THREADS) kfuse_mlp_forward_train(FwdParams p) { "
+          "forward_body<true>(p); }\n";
+  os << "\n";
 }
 
 const char* const kFwdParams =
     "struct FwdParams { const u16* x; u16* y; const u16* w; const float* bias; u16* stash; i64 batch; "
     "i64 num_blocks; };\n\n";
 
-void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m) {
+void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m,
+                   ForwardKernels kernels) {
   if (v.wgmma) {
     os << kFwdParams;
     if (v.weights_resident) write_wgmma_forward_body(os, s, v, m);
     else write_wgmma_stream_forward_body(os, s, v, m);
-    write_forward_kernels(os);
+    write_forward_kernels(os, kernels);
     return;
   }
   const int L = s.num_layers();
@@ -207,7 +216,7 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   }
   w.epilogue();
   os << "}\n";
-  write_forward_kernels(os);
+  write_forward_kernels(os, kernels);
 }
 
 // The fused weight gradients (MlpVariant::fused_wgrad, codegen/mlp_wgrad_plan.h): what the backward kernel adds
@@ -484,15 +493,16 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
   validate_variant(spec, variant);
   const MlpLayout m = mlp_layout(spec);
   std::ostringstream os;
-  const bool fwd = part != MlpModulePart::kBackward, bwd = part != MlpModulePart::kForward;
+  // Both parts hold the forward body (the inference kernel, the training one); the training part the backward.
+  const bool inference = part != MlpModulePart::kTraining, bwd = part != MlpModulePart::kForward;
   os << "// kfuse fused MLP: " << spec.to_string() << ", variant " << variant.name()
-     << (part == MlpModulePart::kForward ? ", forward" : part == MlpModulePart::kBackward ? ", backward" : "")
+     << (part == MlpModulePart::kForward ? ", forward" : part == MlpModulePart::kTraining ? ", training" : "")
      << " (generated)\n"
      << "#define KFUSE_BF16 " << (spec.dtype == MlpDType::kBFloat16 ? 1 : 0) << "\n"
      << mlp_device_library() << "\n";
   // sm_90a only: the wgmma forward's part, and the backward part of a wgmma-backward variant.
   std::set<int> register_a, chain_ss, shared_a, shared_k;
-  if (fwd && variant.wgmma)
+  if (variant.wgmma)
     for (int l = 0; l < spec.num_layers(); ++l)
       (variant.weights_resident ? register_a : shared_k).insert(spec.layer_out_padded(l));
   if (bwd && variant.wgmma_backward)
@@ -505,10 +515,8 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
      << "constexpr int ROWS = WARPS * 16 * MT;\n\n";
   for (int l = 0; l < spec.num_layers(); ++l) write_activation(os, act_struct(l), spec.layer_activation(l));
   os << "\n";
-  if (fwd) {
-    write_pack_kernel(os, spec, m);
-    write_forward(os, spec, variant, m);
-  }
+  if (inference) write_pack_kernel(os, spec, m);
+  write_forward(os, spec, variant, m, ForwardKernels{inference, bwd});
   if (bwd) {
     os << "struct BwdParams { const u16* dy; const u16* y; const u16* stash; const u16* w; u16* dz; u16* dx; "
           "const u16* x; float* partials; i64 batch; i64 num_blocks; };\n\n";

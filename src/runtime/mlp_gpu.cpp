@@ -113,7 +113,13 @@ ModuleBinary build_binary(const std::string& source, const DeviceInfo& dev, bool
 struct LoadedKernels {
   std::unique_ptr<codegen::DriverModule> module;
   std::map<std::string, CUfunction> functions;
-  int ctas_per_sm = 0;  // the minimum over the module's row-block kernels
+  std::map<std::string, int> ctas_per_sm;  // of the row-block kernels
+};
+
+// A row-block kernel of a module and its dynamic shared memory.
+struct BlockedKernel {
+  std::string name;
+  size_t smem = 0;
 };
 
 std::mutex registry_mutex;
@@ -123,9 +129,9 @@ std::map<std::string, std::weak_ptr<LoadedKernels>>& registry() {
 }
 
 // Loads `binary` into the device's primary context (or finds it loaded). `blocked` kernels loop over row blocks
-// with `threads` threads and `smem` bytes of dynamic shared memory. Caller holds a DeviceGuard.
-std::shared_ptr<LoadedKernels> load_module(ModuleBinary& binary, const std::vector<std::string>& blocked,
-                                           const std::vector<std::string>& others, int threads, size_t smem,
+// with `threads` threads. Caller holds a DeviceGuard.
+std::shared_ptr<LoadedKernels> load_module(ModuleBinary& binary, const std::vector<BlockedKernel>& blocked,
+                                           const std::vector<std::string>& others, int threads,
                                            const std::string& variant_name) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   const auto t0 = Clock::now();
@@ -136,8 +142,7 @@ std::shared_ptr<LoadedKernels> load_module(ModuleBinary& binary, const std::vect
   auto k = std::make_shared<LoadedKernels>();
   k->module = std::make_unique<codegen::DriverModule>(binary.image);
   const DriverApi& api = DriverApi::get();
-  k->ctas_per_sm = 1 << 30;
-  for (const std::string& name : blocked) {
+  for (const auto& [name, smem] : blocked) {
     CUfunction f = k->module->function(name);
     api.check(api.cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(smem)),
               "cuFuncSetAttribute(max dynamic shared memory)");
@@ -146,7 +151,7 @@ std::shared_ptr<LoadedKernels> load_module(ModuleBinary& binary, const std::vect
               "cuOccupancyMaxActiveBlocksPerMultiprocessor");
     KFUSE_CHECK(n >= 1, Error, "MLP kernel ", name, " of variant ", variant_name,
                 " cannot run on this device (occupancy 0: too many registers or too much shared memory)");
-    k->ctas_per_sm = std::min(k->ctas_per_sm, n);
+    k->ctas_per_sm[name] = n;
     k->functions[name] = f;
   }
   for (const std::string& name : others) k->functions[name] = k->module->function(name);
@@ -172,26 +177,32 @@ struct FusedMlp::Impl {
   std::shared_ptr<LoadedKernels> forward_kernels;
   MlpBuildInfo info;
 
-  // The backward module: compiled (or read from the cache) on a helper thread from construction on, loaded into
-  // the context by the first backward.
-  mutable std::mutex backward_mutex;
-  mutable std::future<ModuleBinary> backward_binary;
-  mutable std::shared_ptr<LoadedKernels> backward_kernels;
+  // The training module (forward_train and the backward): compiled (or read from the cache) on a helper thread
+  // from construction on, loaded into the context by the first training forward or backward.
+  mutable std::mutex training_mutex;
+  mutable std::future<ModuleBinary> training_binary;
+  mutable std::shared_ptr<LoadedKernels> training_kernels;
   mutable cublasHandle_t cublas = nullptr;
 
-  const LoadedKernels& backward_module() const {
-    // Caller holds backward_mutex and a DeviceGuard.
-    if (!backward_kernels) {
-      ModuleBinary b = backward_binary.get();  // rethrows a compile error
+  const LoadedKernels& training_module() const {
+    // Caller holds training_mutex and a DeviceGuard.
+    if (!training_kernels) {
+      ModuleBinary b = training_binary.get();  // rethrows a compile error
       std::vector<std::string> others;
       if (variant.fused_wgrad) others.push_back("kfuse_mlp_wgrad_reduce");
-      backward_kernels = load_module(b, {"kfuse_mlp_backward", "kfuse_mlp_backward_dx"}, others, variant.warps * 32,
-                                     backward_smem, variant.name());
-      KFUSE_CHECK(!variant.fused_wgrad || backward_kernels->ctas_per_sm <= backward_ctas_per_sm_bound, Error,
-                  "MLP backward of variant ", variant.name(), ": ", backward_kernels->ctas_per_sm,
-                  " CTAs per SM, more than the bound ", backward_ctas_per_sm_bound, " its workspace was sized for");
+      training_kernels = load_module(b,
+                                     {{"kfuse_mlp_forward_train", forward_smem},
+                                      {"kfuse_mlp_backward", backward_smem},
+                                      {"kfuse_mlp_backward_dx", backward_smem}},
+                                     others, variant.warps * 32, variant.name());
+      for (const char* k : {"kfuse_mlp_backward", "kfuse_mlp_backward_dx"}) {
+        const int n = training_kernels->ctas_per_sm.at(k);
+        KFUSE_CHECK(!variant.fused_wgrad || n <= backward_ctas_per_sm_bound, Error, "MLP ", k, " of variant ",
+                    variant.name(), ": ", n, " CTAs per SM, more than the bound ", backward_ctas_per_sm_bound,
+                    " its workspace was sized for");
+      }
     }
-    return *backward_kernels;
+    return *training_kernels;
   }
 
   // Launches a row-block kernel on min(blocks, ctas_per_sm * SMs) persistent CTAs; returns the grid size.
@@ -272,22 +283,24 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
     m.backward_ctas_per_sm_bound = std::max(
         1, std::min({max_blocks, max_threads / (m.variant.warps * 32), static_cast<int>(smem_per_sm / per_cta)}));
   }
+  // The training module first, on a helper thread: it compiles while this one compiles the forward.
+  const std::string training_source =
+      codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kTraining);
+  const DeviceInfo dev = m.dev;
+  const bool training_sm90a = m.variant.wgmma || m.variant.wgmma_backward;
+  m.training_binary = std::async(std::launch::async, [training_source, dev, training_sm90a] {
+    return build_binary(training_source, dev, training_sm90a);
+  });
   ModuleBinary fwd = build_binary(codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kForward),
                                   m.dev, m.variant.wgmma);
-  m.forward_kernels = load_module(fwd, {"kfuse_mlp_forward", "kfuse_mlp_forward_train"}, {"kfuse_mlp_pack"},
-                                  m.variant.warps * 32, m.forward_smem, m.variant.name());
+  m.forward_kernels = load_module(fwd, {{"kfuse_mlp_forward", m.forward_smem}}, {"kfuse_mlp_pack"},
+                                  m.variant.warps * 32, m.variant.name());
   m.info = fwd.info;
-  const std::string bwd_source = codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kBackward);
-  const DeviceInfo dev = m.dev;
-  const bool bwd_sm90a = m.variant.wgmma_backward;
-  m.backward_binary = std::async(std::launch::async, [bwd_source, dev, bwd_sm90a] {
-    return build_binary(bwd_source, dev, bwd_sm90a);
-  });
 }
 
 FusedMlp::~FusedMlp() {
   if (!impl_) return;
-  if (impl_->backward_binary.valid()) impl_->backward_binary.wait();  // the helper thread must not outlive us
+  if (impl_->training_binary.valid()) impl_->training_binary.wait();  // the helper thread must not outlive us
   if (impl_->cublas) {
     DeviceGuard guard(impl_->device);
     cublasDestroy(impl_->cublas);
@@ -349,8 +362,8 @@ void FusedMlp::forward(const void* packed, const void* x, void* y, int64_t batch
   FwdParams p{x, y, packed, reinterpret_cast<const float*>(static_cast<const char*>(packed) + m.layout.bias_byte_offset),
               nullptr, batch, m.num_blocks(batch)};
   DeviceGuard guard(m.device);
-  m.launch(m.forward_kernels->functions.at("kfuse_mlp_forward"), p.num_blocks, m.forward_kernels->ctas_per_sm,
-           m.forward_smem, &p, stream);
+  m.launch(m.forward_kernels->functions.at("kfuse_mlp_forward"), p.num_blocks,
+           m.forward_kernels->ctas_per_sm.at("kfuse_mlp_forward"), m.forward_smem, &p, stream);
 }
 
 void FusedMlp::forward_train(const void* packed, const void* x, void* y, void* stash, int64_t batch,
@@ -364,7 +377,9 @@ void FusedMlp::forward_train(const void* packed, const void* x, void* y, void* s
   FwdParams p{x, y, packed, reinterpret_cast<const float*>(static_cast<const char*>(packed) + m.layout.bias_byte_offset),
               stash, batch, m.num_blocks(batch)};
   DeviceGuard guard(m.device);
-  m.launch(m.forward_kernels->functions.at("kfuse_mlp_forward_train"), p.num_blocks, m.forward_kernels->ctas_per_sm,
+  std::lock_guard<std::mutex> lock(m.training_mutex);
+  const LoadedKernels& kernels = m.training_module();
+  m.launch(kernels.functions.at("kfuse_mlp_forward_train"), p.num_blocks, kernels.ctas_per_sm.at("kfuse_mlp_forward_train"),
            m.forward_smem, &p, stream);
 }
 
@@ -390,20 +405,21 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
   if (dx) check_aligned(dx, "input gradient");
 
   DeviceGuard guard(m.device);
-  std::lock_guard<std::mutex> lock(m.backward_mutex);
-  const LoadedKernels& kernels = m.backward_module();
+  std::lock_guard<std::mutex> lock(m.training_mutex);
+  const LoadedKernels& kernels = m.training_module();
   const char* pk = static_cast<const char*>(packed);
   const bool fused = m.variant.fused_wgrad;
   const bool grads_16bit = grads_dtype == MlpGradDType::kSpecDType;
   char* dz_base = static_cast<char*>(workspace) + (fused ? m.partials_bytes(batch) : 0);
   BwdParams p{dy, y, stash, pk + lay.bwd_region_byte_offset, dz_base, dx, x,
               fused ? static_cast<float*>(workspace) : nullptr, batch, m.num_blocks(batch)};
-  const long long grid = m.launch(kernels.functions.at(dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward"),
-                                  p.num_blocks, kernels.ctas_per_sm, m.backward_smem, &p, stream);
+  const char* kernel = dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward";
+  const long long grid = m.launch(kernels.functions.at(kernel), p.num_blocks, kernels.ctas_per_sm.at(kernel),
+                                  m.backward_smem, &p, stream);
   const DriverApi& api = DriverApi::get();
 
   if (fused) {
-    // Every CTA wrote its partial gradients (the grid fits the workspace: backward_module checked ctas_per_sm);
+    // Every CTA wrote its partial gradients (the grid fits the workspace: training_module checked ctas_per_sm);
     // sum them in CTA order, 32 entries per reduction CTA.
     ReduceParams r{static_cast<const float*>(workspace), grads, static_cast<int>(grid), grads_16bit ? 1 : 0};
     void* args[] = {&r};

@@ -208,12 +208,12 @@ TEST(MlpVariants, WgmmaBackwardPlanAndWhatItNeeds) {
   x = v;
   x.recompute = 0;
   EXPECT_EQ(problem(x), "<no InvalidArgument>");
-  const std::string src0 = codegen::generate_mlp_source(s, x, codegen::MlpModulePart::kBackward);
+  const std::string src0 = codegen::generate_mlp_source(s, x, codegen::MlpModulePart::kTraining);
   EXPECT_EQ(count_of(src0, "// recompute layer"), 0);
   EXPECT_EQ(count_of(src0, "cp_async_commit();  // the next row block's h"), 2 * 4);  // h0..h3, both kernels
   x.recompute = 2;
   EXPECT_EQ(problem(x), "<no InvalidArgument>");
-  const std::string src2 = codegen::generate_mlp_source(s, x, codegen::MlpModulePart::kBackward);
+  const std::string src2 = codegen::generate_mlp_source(s, x, codegen::MlpModulePart::kTraining);
   EXPECT_EQ(count_of(src2, "// recompute layer"), 2 * 2);
   EXPECT_EQ(count_of(src2, "cp_async_commit();  // the next row block's h"), 2 * 2);  // h2, h3
   x = v;
@@ -240,7 +240,7 @@ TEST(MlpVariants, WgmmaBackwardPlanAndWhatItNeeds) {
   const codegen::WgradPlan wg128 = codegen::mlp_wgrad_plan(w128, v);
   for (int l = 0; l < 5; ++l) EXPECT_EQ(wg128.layers[l].weight, !p128.layers[l].external) << l;
   const codegen::MlpLayout m128 = codegen::mlp_layout(w128);
-  const std::string src128 = codegen::generate_mlp_source(w128, v, codegen::MlpModulePart::kBackward);
+  const std::string src128 = codegen::generate_mlp_source(w128, v, codegen::MlpModulePart::kTraining);
   for (int l = 1; l <= 3; ++l) {
     // (two kernels: with and without dx)
     EXPECT_EQ(count_of(src128, "copy_units_out<16, 16, 128>(p.dz + " + std::to_string(m128.dz_offset[l]) +
