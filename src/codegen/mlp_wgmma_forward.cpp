@@ -48,9 +48,9 @@ __device__ __forceinline__ void copy_core_matrices(u32 dst, const u16* src) {
 }
 // The same for a streamed chunk, every row block. The 16-byte slots go in shared-memory order: eight consecutive
 // threads fill one core matrix (8 rows of one 16-byte column piece: 128 contiguous bytes, no bank conflict), a
-// warp four pieces of those rows (64 contiguous bytes of each global row). Row-order slots (eight threads along a
-// row) wrote eight core matrices 128 bytes apart at once, a bank conflict that also split each copy into twice
-// the L2 sectors (ncu; PERF.md). Each thread's addresses are one base plus immediate offsets, the base through an
+// warp four pieces of those rows (64 contiguous bytes of each global row). (Row order, eight threads along a row,
+// wrote eight core matrices 128 bytes apart at once; neither order changed ncu's 2x L2 sectors or the time, see
+// PERF.md: a swizzled layout would serve both sides.) Each thread's addresses are one base plus immediate offsets, the base through an
 // opaque move: otherwise the compiler hoists every chunk's addresses out of the row-block loop (100 64-bit
 // registers at width 256: ptxas spilled). The chunk starts OFFSET + extra halves into `w` (extra: a run-time
 // layer's distance).

@@ -8,9 +8,10 @@
 // barrier); issue the chunk's K = 16 slices; wait until only this chunk's MMAs are pending. The tensor cores so
 // always hold the current chunk and the one after it is issued behind it at the next barrier.
 //
-// Why not mma.sync, as before: its straight-line code for 16 unrolled 64-column chunks per row block took NVRTC
-// 5.3 s at width 256 (a wgmma multiplies 64 x 256 x 16 per instruction, mma.sync 16 x 8 x 16), and it ran at a
-// third of the tensor cores' rate (PERF.md).
+// Why beside the mma.sync streamed kernel: its straight-line code for 16 unrolled 64-column chunks per row block
+// took NVRTC 5.3 s at width 256 (a wgmma multiplies 64 x 256 x 16 per instruction, mma.sync 16 x 8 x 16); this
+// one's forward module takes 0.9 s, so it is the default on Hopper. Both are bound by L2 (the weights per row
+// block); at width 256 the tuner still picks the mma.sync one, 3.0 against 3.4 ms (PERF.md, session 14).
 #include <set>
 #include <sstream>
 #include <vector>
