@@ -51,7 +51,7 @@ inline std::string activation_struct_name(int layer) { return "ActL" + std::to_s
 // Which kernels a module holds: the forward part (pack, forward) is compiled when the MLP is created; the training
 // part (forward_train, backward, backward_dx, wgrad_reduce) on a helper thread from then on, so that an MLP waits
 // only for the inference kernel before its first forward (half the compile time of both forwards: at width 256
-// the compile of one is 0.8 s of a build machine's core).
+// one takes 0.9 s of a build machine's core).
 enum class MlpModulePart { kForward, kTraining, kAll };
 
 // The module source. Deterministic: equal arguments give equal text (the disk cache's key).

@@ -110,10 +110,13 @@ ModuleBinary build_binary(const std::string& source, const DeviceInfo& dev, bool
 }
 
 // A loaded module with its kernels' launch geometry, shared by every FusedMlp of the same source on one device.
+struct ModuleKernel {
+  CUfunction f = nullptr;
+  int ctas_per_sm = 0;  // row-block kernels: the occupancy at their threads and shared memory
+};
 struct LoadedKernels {
   std::unique_ptr<codegen::DriverModule> module;
-  std::map<std::string, CUfunction> functions;
-  std::map<std::string, int> ctas_per_sm;  // of the row-block kernels
+  std::map<std::string, ModuleKernel> kernels;
 };
 
 // A row-block kernel of a module and its dynamic shared memory.
@@ -151,10 +154,9 @@ std::shared_ptr<LoadedKernels> load_module(ModuleBinary& binary, const std::vect
               "cuOccupancyMaxActiveBlocksPerMultiprocessor");
     KFUSE_CHECK(n >= 1, Error, "MLP kernel ", name, " of variant ", variant_name,
                 " cannot run on this device (occupancy 0: too many registers or too much shared memory)");
-    k->ctas_per_sm[name] = n;
-    k->functions[name] = f;
+    k->kernels[name] = {f, n};
   }
-  for (const std::string& name : others) k->functions[name] = k->module->function(name);
+  for (const std::string& name : others) k->kernels[name] = {k->module->function(name), 0};
   binary.info.load_seconds += seconds_since(t0);
   registry()[binary.registry_key] = k;
   return k;
@@ -196,7 +198,7 @@ struct FusedMlp::Impl {
                                       {"kfuse_mlp_backward_dx", backward_smem}},
                                      others, variant.warps * 32, variant.name());
       for (const char* k : {"kfuse_mlp_backward", "kfuse_mlp_backward_dx"}) {
-        const int n = training_kernels->ctas_per_sm.at(k);
+        const int n = training_kernels->kernels.at(k).ctas_per_sm;
         KFUSE_CHECK(!variant.fused_wgrad || n <= backward_ctas_per_sm_bound, Error, "MLP ", k, " of variant ",
                     variant.name(), ": ", n, " CTAs per SM, more than the bound ", backward_ctas_per_sm_bound,
                     " its workspace was sized for");
@@ -206,11 +208,11 @@ struct FusedMlp::Impl {
   }
 
   // Launches a row-block kernel on min(blocks, ctas_per_sm * SMs) persistent CTAs; returns the grid size.
-  long long launch(CUfunction f, long long blocks, int ctas_per_sm, size_t smem, void* params, Stream stream) const {
-    const long long grid = std::min<long long>(blocks, static_cast<long long>(ctas_per_sm) * dev.sm_count);
+  long long launch(const ModuleKernel& k, long long blocks, size_t smem, void* params, Stream stream) const {
+    const long long grid = std::min<long long>(blocks, static_cast<long long>(k.ctas_per_sm) * dev.sm_count);
     void* args[] = {params};
     const DriverApi& api = DriverApi::get();
-    api.check(api.cuLaunchKernel(f, static_cast<unsigned>(grid), 1, 1, variant.warps * 32, 1, 1,
+    api.check(api.cuLaunchKernel(k.f, static_cast<unsigned>(grid), 1, 1, variant.warps * 32, 1, 1,
                                  static_cast<unsigned>(smem), reinterpret_cast<CUstream>(stream), args, nullptr),
               "cuLaunchKernel (fused MLP)");
     return grid;
@@ -287,7 +289,7 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
   const std::string training_source =
       codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kTraining);
   const DeviceInfo dev = m.dev;
-  const bool training_sm90a = m.variant.wgmma || m.variant.wgmma_backward;
+  const bool training_sm90a = m.variant.wgmma;  // (the wgmma backward needs the wgmma forward)
   m.training_binary = std::async(std::launch::async, [training_source, dev, training_sm90a] {
     return build_binary(training_source, dev, training_sm90a);
   });
@@ -348,7 +350,7 @@ void FusedMlp::pack_weights(const std::vector<const void*>& weights, const std::
   const long long blocks = std::min<long long>((elems + 255) / 256, 4LL * m.dev.sm_count);
   void* args[] = {&p};
   const DriverApi& api = DriverApi::get();
-  api.check(api.cuLaunchKernel(m.forward_kernels->functions.at("kfuse_mlp_pack"), static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
+  api.check(api.cuLaunchKernel(m.forward_kernels->kernels.at("kfuse_mlp_pack").f, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
                                reinterpret_cast<CUstream>(stream), args, nullptr),
             "cuLaunchKernel (MLP weight packing)");
 }
@@ -362,8 +364,7 @@ void FusedMlp::forward(const void* packed, const void* x, void* y, int64_t batch
   FwdParams p{x, y, packed, reinterpret_cast<const float*>(static_cast<const char*>(packed) + m.layout.bias_byte_offset),
               nullptr, batch, m.num_blocks(batch)};
   DeviceGuard guard(m.device);
-  m.launch(m.forward_kernels->functions.at("kfuse_mlp_forward"), p.num_blocks,
-           m.forward_kernels->ctas_per_sm.at("kfuse_mlp_forward"), m.forward_smem, &p, stream);
+  m.launch(m.forward_kernels->kernels.at("kfuse_mlp_forward"), p.num_blocks, m.forward_smem, &p, stream);
 }
 
 void FusedMlp::forward_train(const void* packed, const void* x, void* y, void* stash, int64_t batch,
@@ -378,9 +379,7 @@ void FusedMlp::forward_train(const void* packed, const void* x, void* y, void* s
               stash, batch, m.num_blocks(batch)};
   DeviceGuard guard(m.device);
   std::lock_guard<std::mutex> lock(m.training_mutex);
-  const LoadedKernels& kernels = m.training_module();
-  m.launch(kernels.functions.at("kfuse_mlp_forward_train"), p.num_blocks, kernels.ctas_per_sm.at("kfuse_mlp_forward_train"),
-           m.forward_smem, &p, stream);
+  m.launch(m.training_module().kernels.at("kfuse_mlp_forward_train"), p.num_blocks, m.forward_smem, &p, stream);
 }
 
 void FusedMlp::backward(const void* packed, const void* x, const void* y, const void* dy, const void* stash,
@@ -406,16 +405,15 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
 
   DeviceGuard guard(m.device);
   std::lock_guard<std::mutex> lock(m.training_mutex);
-  const LoadedKernels& kernels = m.training_module();
+  const LoadedKernels& training = m.training_module();
   const char* pk = static_cast<const char*>(packed);
   const bool fused = m.variant.fused_wgrad;
   const bool grads_16bit = grads_dtype == MlpGradDType::kSpecDType;
   char* dz_base = static_cast<char*>(workspace) + (fused ? m.partials_bytes(batch) : 0);
   BwdParams p{dy, y, stash, pk + lay.bwd_region_byte_offset, dz_base, dx, x,
               fused ? static_cast<float*>(workspace) : nullptr, batch, m.num_blocks(batch)};
-  const char* kernel = dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward";
-  const long long grid = m.launch(kernels.functions.at(kernel), p.num_blocks, kernels.ctas_per_sm.at(kernel),
-                                  m.backward_smem, &p, stream);
+  const long long grid = m.launch(training.kernels.at(dx ? "kfuse_mlp_backward_dx" : "kfuse_mlp_backward"),
+                                  p.num_blocks, m.backward_smem, &p, stream);
   const DriverApi& api = DriverApi::get();
 
   if (fused) {
@@ -424,7 +422,7 @@ void FusedMlp::backward(const void* packed, const void* x, const void* y, const 
     ReduceParams r{static_cast<const float*>(workspace), grads, static_cast<int>(grid), grads_16bit ? 1 : 0};
     void* args[] = {&r};
     const long long blocks = (m.wgrad.grad_floats + 31) / 32;
-    api.check(api.cuLaunchKernel(kernels.functions.at("kfuse_mlp_wgrad_reduce"), static_cast<unsigned>(blocks), 1, 1,
+    api.check(api.cuLaunchKernel(training.kernels.at("kfuse_mlp_wgrad_reduce").f, static_cast<unsigned>(blocks), 1, 1,
                                  256, 1, 1, 0, reinterpret_cast<CUstream>(stream), args, nullptr),
               "cuLaunchKernel (MLP gradient reduction)");
     if (m.wgrad.all_weights()) return;
