@@ -58,6 +58,30 @@ def idle_gaps(intervals: list, steps: int, min_us: float = 3.0):
     return busy / steps, ranked
 
 
+def short_name(name: str) -> str:
+    """A kernel name short enough for a table: CUTLASS kernels differ only deep in their mangled names, so they keep
+    their tile shapes and operator."""
+    if "cutlass" not in name:
+        return name[:110]
+    import re
+    return " ".join(re.findall(r"GemmShapeILi\d+ELi\d+ELi\d+E|Strided|Wgrad|Dgrad|Fprop|ConvUniversal|ReduceSplitK|"
+                               r"Sm90|Shape<[^>]{0,40}>", name)[:6])[:110]
+
+
+def print_timeline(intervals: list, steps: int = PROFILED_STEPS):
+    """The kernels of the last profiled step in start order: start offset from the step's first kernel, duration,
+    name. Shows the critical path of a graph replay: which kernels run side by side and where the GPU waits."""
+    iv = sorted(intervals)
+    if not iv:
+        return
+    per_step = len(iv) // steps
+    last = iv[-per_step:]
+    t0 = last[0][0]
+    print(f"--- timeline of one step ({per_step} kernels; start us, duration us) ---")
+    for s_, e_, name in last:
+        print(f"{s_ - t0:8.1f} {e_ - s_:7.1f}  {short_name(name)}")
+
+
 def print_host_profile(prof, title: str, lines: int = 12):
     """The `lines` functions of most own time in a cProfile profile, under a title line."""
     out = io.StringIO()

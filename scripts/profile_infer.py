@@ -1,5 +1,6 @@
 """Where the time of one kfuse inference call goes (run on the GPU machine by scripts/gpu_run.sh --profile):
-host time per call of the Python module and of the bare engine, and device time of the graph replay."""
+host time per call of the Python module and of the bare engine, and device time of the graph replay. Usage:
+python scripts/profile_infer.py [N] [--timeline] (--timeline: the kernels of one replay in start order)."""
 import statistics
 import sys
 import time
@@ -7,6 +8,7 @@ import time
 import torch
 
 import kfuse
+from kernel_profile import kernel_times, print_timeline
 from kfuse import _C
 
 
@@ -24,7 +26,8 @@ def host_us(fn, n=300):
 
 
 def main():
-    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    batch = int(args[0]) if args else 128
     enc = kfuse.ResNetEncoder.default_network(3).cuda().half().eval()
     x = torch.rand(batch, 3, 64, 64, device="cuda", dtype=torch.float16)
     engine = _C.EncoderGpu(enc.config, "float16", 0)
@@ -50,6 +53,12 @@ def main():
             engine.forward(x, y, stream)
         end.record()
         torch.cuda.synchronize()
+    if "--timeline" in sys.argv:
+        intervals = []
+        with torch.no_grad():
+            total, rows = kernel_times(lambda: engine.forward(x, y, stream), intervals=intervals)
+        print(f"[profile] kernel time per replay {total:.1f} us")
+        print_timeline(intervals)
     print(f"[profile] batch {batch}: host time per call: module {module_us:.1f} us, engine.forward {engine_us:.1f} us; "
           f"device time per replay (back-to-back) {start.elapsed_time(end) / 200 * 1e3:.1f} us")
 

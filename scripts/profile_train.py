@@ -1,14 +1,15 @@
 """Per-kernel GPU time of kfuse's training step (forward + backward) at batch N (default 2048), C = 3, fp16, from
 torch.profiler's CUDA activity: what PERF.md's training breakdown is made of; the GPU's idle gaps; the host phases of
-a synchronized step. Usage: python scripts/profile_train.py [N] [--host] (--host: also the Python profile of the
-forward and backward calls, the host work the latency pays before the GPU starts)."""
+a synchronized step. Usage: python scripts/profile_train.py [N] [--host] [--timeline] (--host: also the Python profile
+of the forward and backward calls, the host work the latency pays before the GPU starts; --timeline: the kernels of
+one step in start order)."""
 import cProfile
 import statistics
 import sys
 import time
 
 import torch
-from kernel_profile import PROFILED_STEPS, idle_gaps, kernel_times, print_host_profile
+from kernel_profile import PROFILED_STEPS, idle_gaps, kernel_times, print_host_profile, print_timeline, short_name
 
 import kfuse
 
@@ -71,11 +72,9 @@ def main():
             torch.cuda.synchronize()
             print_host_profile(prof, f"host profile of 100 {label} calls")
     for name, us, cnt in rows[:60]:
-        # CUTLASS 2.x conv kernels differ only deep in their mangled names: keep the tile shapes and operator.
-        short = name if "cutlass" not in name else " ".join(
-            m for m in __import__("re").findall(r"GemmShapeILi\d+ELi\d+ELi\d+E|Strided|Wgrad|Dgrad|Fprop|"
-                                                r"ConvUniversal|ReduceSplitK", name)[:6])
-        print(f"{us:9.1f} us  x{cnt:<3} {short[:150]}")
+        print(f"{us:9.1f} us  x{cnt:<3} {short_name(name)}")
+    if "--timeline" in sys.argv:
+        print_timeline(intervals)
     print("forward convolution choices at this batch (tuner):")
     for r in enc.tune(n, 64, 64, mode="on", verbose=False):
         print(f"  {r['shape']:<36} {r['choice']:<20} tuned {r['tuned_ms'] * 1e3 if r['tuned_ms'] else 0:8.1f} us")
