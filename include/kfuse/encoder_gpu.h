@@ -96,6 +96,12 @@ class EncoderGpu {
   // blocks whose shortcut runs concurrently); off for good if a capture with it ever fails.
   bool uses_programmatic_launch() const;
 
+  // How many blocks of the inference forward on H x W inputs run as one fused kernel each (conv1, conv2 and the
+  // squeeze-excite of a 64-channel identity-shortcut block with its image on chip: block 1 at up to 64 x 64 inputs).
+  // Where the device has the shared memory for it (227 KB per block: Hopper), unless the environment sets
+  // KFUSE_FUSED_BLOCK=0 when the encoder is created. The training step never fuses: its backward needs h2 and o.
+  int fused_block_count(int h, int w) const;
+
   struct Impl;  // opaque (src/runtime/encoder_gpu_impl.h)
 
  private:

@@ -380,7 +380,9 @@ NB_MODULE(_C, m) {
            "Every parameter's gradient (flat float32, param_specs order) and optionally dL/dx")
       .def("set_use_graphs", &EncoderGpu::set_use_graphs, "on"_a)
       .def_prop_ro("graph_count", &EncoderGpu::graph_count)
-      .def_prop_ro("uses_programmatic_launch", &EncoderGpu::uses_programmatic_launch);
+      .def_prop_ro("uses_programmatic_launch", &EncoderGpu::uses_programmatic_launch)
+      .def("fused_block_count", &EncoderGpu::fused_block_count, "h"_a, "w"_a,
+           "How many blocks of the inference forward on h x w inputs run as one fused kernel each");
 #endif
 
   bind_mlp(m);

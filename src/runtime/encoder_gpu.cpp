@@ -63,6 +63,15 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
                 "KFUSE_PDL must be 0 (off), 1, 2 or 3 (which kernel boundaries launch early), got '", policy, "'");
     if (policy != "0") m.pdl_policy = policy[0] - '0';
   }
+  if (const char* v = std::getenv("KFUSE_FUSED_BLOCK"); v && *v) {
+    const std::string on = v;
+    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_BLOCK must be 0 (off) or 1, got '", on, "'");
+    m.fuse_blocks = on == "1";
+  }
+  int optin = 0;
+  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute");
+  m.smem_optin = static_cast<size_t>(optin);
   m.layout = plan_weights(config, m.blocks, m.kpad);
   m.stem_w = m.layout.stem_w;
   m.bw = m.layout.blocks;
@@ -106,6 +115,17 @@ std::vector<OpTuningReport> EncoderGpu::tune(int n, int h, int w, TuningMode mod
 void EncoderGpu::set_use_graphs(bool on) { impl_->use_graphs = on; }
 size_t EncoderGpu::graph_count() const { return impl_->graphs.size() + impl_->train_graphs.graph_count(); }
 bool EncoderGpu::uses_programmatic_launch() const { return impl_->use_pdl; }
+int EncoderGpu::fused_block_count(int h, int w) const {
+  const Impl& m = *impl_;
+  m.config.output_shape({1, m.config.in_channels, h, w});  // validates H and W
+  int count = 0;
+  h /= 4, w /= 4;
+  for (size_t i = 0; i < m.blocks.size(); ++i) {
+    count += m.fused_block_applies(i, h, w) ? 1 : 0;
+    h /= m.blocks[i].stride, w /= m.blocks[i].stride;
+  }
+  return count;
+}
 
 void EncoderGpu::set_weights(const EncoderParams<float>& params) {
   Impl& m = *impl_;

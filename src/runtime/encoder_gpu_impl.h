@@ -150,6 +150,8 @@ struct Activations {
   // Training: o holds conv2's raw output v and the squeeze-excite kernels (forward and backward) apply its FixUp
   // epilogue o = v * scale + b2b as they read it. A cuDNN conv2 then needs no epilogue pass over its output.
   bool conv2_raw = false;
+  // Training: the backward reads h2 and o, so every block runs as separate kernels (no fused block).
+  bool training = false;
 };
 
 // The launch sequence of one geometry, captured once.
@@ -204,6 +206,10 @@ struct EncoderGpu::Impl {
   //   3 (default): none inside such a block, so only block 1's chain and the stem's successor (the best measured:
   //      ~1 us per early-launched boundary).
   int pdl_policy = 3;
+  // Blocks that fit kernels::launch_fused_block run as that one kernel in the inference forward (KFUSE_FUSED_BLOCK=0:
+  // never; the A/B switch of PERF.md session 15).
+  bool fuse_blocks = true;
+  size_t smem_optin = 0;  // the device's shared memory per block with opt-in
   std::map<Geometry, Activations> activations;
   std::map<GraphKey, Graph> graphs;
   std::set<GraphKey> graph_warm;  // kinds of call run once eagerly (captured from their second call)
@@ -487,6 +493,18 @@ struct EncoderGpu::Impl {
     return status == cudaStreamCaptureStatusActive && count == 1 ? nodes[0] : nullptr;
   }
 
+  // Whether block i, whose input is h x w, runs as one fused kernel in the inference forward: an identity shortcut,
+  // 64 -> 64 channels, hidden = 4, an image small enough for the kernel and the device's shared memory, and a next
+  // block (the last block's squeeze-excite writes the caller's NCHW output; the fused kernel does not).
+  bool fused_block_applies(size_t i, int h, int w) const {
+    const auto& b = blocks[i];
+    if (!fuse_blocks || i + 1 >= blocks.size() || b.has_downsample || b.stride != 1 || b.in_planes != 64 ||
+        b.planes != 64 || b.se_hidden != 4)
+      return false;
+    const size_t smem = kernels::fused_block_smem_bytes(h, w);
+    return smem != 0 && smem <= smem_optin;
+  }
+
   // Launches the whole forward on `stream` (also used under stream capture).
   void launch(const Geometry& g, const kernels::StemArgs& stem_args, kernels::SqueezeExciteArgs tail,
               cudaStream_t stream, CapturedEnds* ends = nullptr) {
@@ -510,6 +528,27 @@ struct EncoderGpu::Impl {
       const BlockWeights& W = bw[i];
       const float* s = fptr(W.scalars);
       const auto probs = problems(b, g.n, h, w);
+      if (!act.training && fused_block_applies(i, h, w)) {
+        kernels::FusedBlockArgs fb;
+        fb.a = act.a[i];
+        fb.identity = act.x[i];
+        fb.w1 = wptr(W.conv1);
+        fb.w2 = wptr(W.conv2);
+        fb.scalars = s;
+        fb.fc1_w = fptr(W.fc1_w);
+        fb.fc1_b = fptr(W.fc1_b);
+        fb.fc2_w = fptr(W.fc2_w);
+        fb.fc2_b = fptr(W.fc2_b);
+        fb.planes = b.planes;
+        fb.hidden = b.se_hidden;
+        fb.n = g.n, fb.h = h, fb.w = w;
+        fb.a_next = act.a[i + 1];
+        fb.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
+        if (!blocks[i + 1].has_downsample) fb.y = act.x[i + 1];
+        kernels::PdlScope fused_scope(chain);
+        check_cuda(kernels::launch_fused_block(fb, dtype, stream), "fused block kernel");
+        continue;  // stride 1: h and w stay
+      }
       if (b.has_downsample) {  // fork: the shortcut needs only a[i], like conv1
         kernels::PdlScope off(false);
         ensure_side_stream();

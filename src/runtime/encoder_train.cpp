@@ -295,6 +295,7 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
   };
   tb.act.base = nullptr;  // owned by tb.base
   tb.act.conv2_raw = true;
+  tb.act.training = true;
   tb.act.x0 = at(x0);
   for (size_t i = 0; i < offs.size(); ++i) {
     const Offs& o = offs[i];

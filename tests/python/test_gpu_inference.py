@@ -148,6 +148,43 @@ def test_programmatic_launch_gives_the_same_bits(make_reference, monkeypatch, n,
     assert rel_err(plain[0], reference64(ref, x.float())) <= TOL
 
 
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n,h,w", [(7, 64, 64), (5, 32, 96), (3, 32, 32), (2, 128, 128)])
+def test_fused_block_matches_separate_kernels(make_reference, monkeypatch, precision, n, h, w):
+    """Block 1 as one kernel (conv1, conv2 and the squeeze-excite with the image on chip, where the device's shared
+    memory allows it) against the same forward with the block as three kernels (KFUSE_FUSED_BLOCK=0) and against
+    float64: both within tolerance, outputs poisoned first. 8x8, 8x24 and 16x16 images fuse; 32x32 (128x128 inputs)
+    is too large for the kernel and must take the three kernels."""
+    ref = make_reference(in_channels=3, seed=300 + n + h + w)
+    enc = kfuse.ResNetEncoder.from_torch(ref)
+    params = [p.detach().float().contiguous() for p in enc.parameters()]
+    stream = torch.cuda.current_stream().cuda_stream
+    dtype = getattr(torch, precision)
+    gen = torch.Generator().manual_seed(n + h)
+    x = torch.rand(n, 3, h, w, generator=gen)
+    xd = x.cuda().to(dtype)
+    bh, bw = h // 4, w // 4
+    fits = bh * bw <= 256 and (bh * bw) % 16 == 0 and (bh + 2) * (bw + 2) <= 640
+    smem = 2 * 64 * 576 * 2 + (bh + 2) * (bw + 2) * 128 + 4 * (8 * 64 + 64 + 4 + 64)
+    optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("KFUSE_FUSED_BLOCK", on)  # read when the engine is created
+        engine = _C.EncoderGpu(enc.config, precision, 0)
+        engine.set_weights(params)
+        expected = 1 if on == "1" and fits and smem <= optin else 0
+        assert engine.fused_block_count(h, w) == expected, f"KFUSE_FUSED_BLOCK={on}"
+        y = torch.full((n, 512, h // 32, w // 32), float("nan"), device="cuda", dtype=dtype)
+        engine.forward(xd, y, stream)
+        torch.cuda.synchronize()
+        outs[on] = y
+    y64 = reference64(ref, x)
+    for on, y in outs.items():
+        assert not torch.isnan(y).any(), f"KFUSE_FUSED_BLOCK={on}"
+        assert rel_err(y, y64) <= TOL, f"KFUSE_FUSED_BLOCK={on}"
+    assert rel_err(outs["1"], outs["0"].double()) <= TOL
+
+
 def test_weights_update_is_picked_up(make_reference):
     ref = make_reference(in_channels=1, seed=12)
     enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)

@@ -56,4 +56,31 @@ struct SqueezeExciteArgs {
 };
 cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& args, ConvDType dtype, cudaStream_t stream);
 
+// A residual block whose shortcut is the identity, 64 -> 64 channels, stride 1 (the encoder's block 1), in one kernel
+// for inference (fused_block.cu): h2 = relu(conv3x3(a) + b1b) + b2a, o = conv3x3(h2) * scale + b2b, then the
+// squeeze-excitation and join of launch_squeeze_excite: y = relu(o * g + identity), a_next = y + *next_b1a. One CTA
+// per image, the image on chip throughout. a, identity, y, a_next: NHWC [n][h][w][64] of T; w1, w2: KRSC [64][3][3][64]
+// of T; scalars: fp32 b1a, b1b, b2a, scale, b2b (b1a is unused: a already holds x + b1a); fc weights as for
+// launch_squeeze_excite. 16-byte aligned pointers.
+struct FusedBlockArgs {
+  const void* a = nullptr;
+  const void* identity = nullptr;
+  const void* w1 = nullptr;
+  const void* w2 = nullptr;
+  const float* scalars = nullptr;
+  const float* fc1_w = nullptr;
+  const float* fc1_b = nullptr;
+  const float* fc2_w = nullptr;
+  const float* fc2_b = nullptr;
+  int planes = 0, hidden = 0;
+  int n = 0, h = 0, w = 0;
+  void* y = nullptr;
+  const float* next_b1a = nullptr;
+  void* a_next = nullptr;
+};
+// Dynamic shared memory the fused block needs for an h x w image; 0 where the kernel does not take that size (more
+// than 256 pixels, a pixel count not a multiple of 16, or a halo of more than 640 pixels).
+size_t fused_block_smem_bytes(int h, int w);
+cudaError_t launch_fused_block(const FusedBlockArgs& args, ConvDType dtype, cudaStream_t stream);
+
 }  // namespace kfuse::kernels
