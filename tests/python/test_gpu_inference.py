@@ -165,7 +165,7 @@ def test_fused_block_matches_separate_kernels(make_reference, monkeypatch, preci
     xd = x.cuda().to(dtype)
     bh, bw = h // 4, w // 4
     fits = bh * bw <= 256 and (bh * bw) % 16 == 0 and (bh + 2) * (bw + 2) <= 640
-    smem = 2 * 64 * 576 * 2 + (bh + 2) * (bw + 2) * 128 + 4 * (8 * 64 + 64 + 4 + 64)
+    smem = 2 * 64 * 576 * 2 + (bh + 2) * (bw + 2) * 128 + 4 * (8 * 64 + 2 * (64 + 4) + 2 * 256)
     optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     outs = {}
     for on in ("0", "1"):

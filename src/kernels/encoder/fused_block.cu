@@ -8,7 +8,8 @@
 //   - both filters (2 x 72 KB) and the image's input with a one-pixel zero halo ((h+2) x (w+2) x 64 x 2 B) go to
 //     shared memory once (cp.async); conv2's filter streams in while conv1 runs;
 //   - each 3x3 convolution is 9 taps x 4 k16 steps of mma.sync m16n8k16 whose A fragments come straight from the halo
-//     tile (ldmatrix takes one row address per lane, so the im2col shift of a tap is only an address offset: no copy);
+//     tile (ldmatrix takes one row address per lane, so the im2col shift of a tap is only an address offset: no copy),
+//     each step's fragments loaded while the previous step's MMAs run;
 //   - conv1's FixUp epilogue h2 = relu(acc + b1b) + b2a is written back over the halo's interior (its border stays
 //     zero: b2a is added before zero padding, as the network defines it); conv2 reads it from there;
 //   - o = T(acc * scale + b2b) is staged in shared memory; the squeeze (channel means), fc1, fc2 and the gate are
@@ -17,7 +18,7 @@
 // Bank conflicts: a pixel row is 128 B (8 chunks of 16 B), and chunk c of pixel p lives at chunk c ^ (p & 7), so the
 // 8 rows of an ldmatrix (8 consecutive pixels) hit 8 different bank groups; the filters ([64 rows][576] halves, 1152 B
 // per row) use chunk c ^ (row & 7) likewise.
-// Shared memory: 144 KB of filters + the halo (<= 640 pixels) + 3 KB: one CTA per SM on Hopper (227 KB opt-in); an
+// Shared memory: 144 KB of filters + the halo (<= 640 pixels) + 5 KB of scratch: one CTA per SM on Hopper (227 KB opt-in); an
 // A100 (163 KB) does not have room for it and keeps the three-kernel path (fused_block_smem_bytes says so).
 // No atomics, fixed reduction orders: the same input gives the same bits.
 #include <cstdint>
@@ -43,7 +44,10 @@ constexpr int kTaps = 9;
 constexpr int kK = kTaps * kP;              // GEMM K of one 3x3 conv: 576
 constexpr int kFilterPitch = kK * 2;        // bytes per output channel row of a staged filter: 72 chunks
 constexpr int kFilterBytes = kP * kFilterPitch;  // 73728
-constexpr int kScratchFloats = kWarps * kP + kP + kHidden + kP;  // per-warp channel sums, mean, hidden, gate
+// Shared fp32 scratch: per-warp channel sums, mean, hidden, gate, then the squeeze-excite's parameters (fc1 weight and
+// bias, fc2 weight and bias), staged at the start so that the squeeze-excite's serial phases wait on no global load.
+constexpr int kFc1W = kHidden * kP, kFc2W = kP * kHidden;
+constexpr int kScratchFloats = kWarps * kP + kP + kHidden + kP + kFc1W + kFc2W + kHidden + kP;
 
 __host__ __device__ constexpr size_t smem_bytes_for(int halo_pixels) {
   return size_t(2) * kFilterBytes + size_t(halo_pixels) * kRowBytes + sizeof(float) * kScratchFloats;
@@ -97,36 +101,40 @@ __device__ __forceinline__ uint32_t pack2_after_relu(float lo, float hi, float p
   return out;
 }
 
-// acc[m][nt] += the 3x3 convolution of the halo tile for this warp's m16 tiles (m < tiles) and the 8 n8 tiles of all
-// 64 output channels. hc[m]: halo index of the centre pixel of this lane's ldmatrix row of tile m.
+// acc[m][nt] += the 3x3 convolution of the halo tile for this warp's two m16 tiles and the 8 n8 tiles of all 64
+// output channels: 9 taps x 4 k16 steps, each step's fragments loaded (ldmatrix) while the previous step's 16 MMAs
+// run. hc[m]: halo index of the centre pixel of this lane's ldmatrix row of tile m (a valid pixel even for a tile
+// past the image, whose results the caller drops: the loop stays free of branches).
 template <class T>
 __device__ __forceinline__ void conv3x3(float (&acc)[2][8][4], uint32_t halo, uint32_t filt, const int (&hc)[2],
-                                        int tiles, int wp) {
+                                        int wp) {
+  constexpr int kSteps = kTaps * (kP / 16);
   const int lane = threadIdx.x & 31;
-  const int a_chunk = lane >> 4;                        // k 0-7 or 8-15 of a k16 step
-  const int b_row = (lane & 7) + 8 * (lane >> 4);      // output channel within a pair of n8 tiles
-  const int b_chunk = (lane >> 3) & 1;
-#pragma unroll 1
-  for (int tap = 0; tap < kTaps; ++tap) {
+  const int a_chunk = lane >> 4;                                   // k 0-7 or 8-15 of a k16 step
+  const uint32_t b_base = filt + uint32_t((lane & 7) + 8 * (lane >> 4)) * kFilterPitch;  // this lane's B row
+  const int b_chunk = (lane >> 3) & 1, b_xor = lane & 7;           // the row's swizzle: (row & 7) = lane & 7
+  auto load = [&](int st, uint32_t (&a)[2][4], uint32_t (&b)[4][4]) {
+    const int tap = st >> 2, kc = st & 3;
     const int d = (tap / 3 - 1) * wp + (tap % 3 - 1);
 #pragma unroll
-    for (int kc = 0; kc < kP / 16; ++kc) {
-      uint32_t a[2][4];
+    for (int m = 0; m < 2; ++m) ldsm_x4(a[m], halo + swz(hc[m] + d, 2 * kc + a_chunk, kRowBytes));
+    const uint32_t boff = uint32_t(((tap * 8 + 2 * kc + b_chunk) ^ b_xor) << 4);
 #pragma unroll
-      for (int m = 0; m < 2; ++m)
-        if (m < tiles) ldsm_x4(a[m], halo + swz(hc[m] + d, 2 * kc + a_chunk, kRowBytes));
+    for (int np = 0; np < 4; ++np) ldsm_x4(b[np], b_base + np * 16 * kFilterPitch + boff);  // n8 tiles 2np, 2np+1
+  };
+  uint32_t a[2][2][4], b[2][4][4];
+  load(0, a[0], b[0]);
+#pragma unroll 2
+  for (int st = 0; st < kSteps; ++st) {
+    const int cur = st & 1;
+    if (st + 1 < kSteps) load(st + 1, a[cur ^ 1], b[cur ^ 1]);
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        uint32_t b[4];  // b0, b1 of n8 tile 2np, then of 2np + 1
-        ldsm_x4(b, filt + swz(16 * np + b_row, tap * 8 + 2 * kc + b_chunk, kFilterPitch));
+    for (int np = 0; np < 4; ++np)
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
-          if (m < tiles) {
-            mma16816<T>(acc[m][2 * np], a[m], b[0], b[1]);
-            mma16816<T>(acc[m][2 * np + 1], a[m], b[2], b[3]);
-          }
+      for (int m = 0; m < 2; ++m) {
+        mma16816<T>(acc[m][2 * np], a[cur][m], b[cur][np][0], b[cur][np][1]);
+        mma16816<T>(acc[m][2 * np + 1], a[cur][m], b[cur][np][2], b[cur][np][3]);
       }
-    }
   }
 }
 
@@ -140,12 +148,24 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
   float* const mean = red + kWarps * kP;
   float* const hid = mean + kP;
   float* const gate = hid + kHidden;
+  float* const fc1_w = gate + kP;  // 16-byte aligned: every array above holds a multiple of 4 floats
+  float* const fc2_w = fc1_w + kFc1W;
+  float* const fc1_b = fc2_w + kFc2W;
+  float* const fc2_b = fc1_b + kHidden;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
   const int64_t img = blockIdx.x;
 
   // The filters are parameters, never written by the kernel before this one in the stream: they load before the
   // programmatic wait (the predecessor had started, so everything before it had finished).
   stage_filter(filt1, p.w1);
+  {  // the squeeze-excite's parameters (16-byte aligned arrays of multiples of 4 floats)
+    const float* src[4] = {p.fc1_w, p.fc2_w, p.fc1_b, p.fc2_b};
+    float* dst[4] = {fc1_w, fc2_w, fc1_b, fc2_b};
+    const int count[4] = {kFc1W, kFc2W, kHidden, kP};
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      for (int i = tid; i < count[k] / 4; i += kThreads) cp_async16(smem_u32(dst[k] + 4 * i), src[k] + 4 * i);
+  }
   cp_async_commit();
   pdl_wait_for_predecessor();
   pdl_allow_successor();
@@ -170,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
   int hc[2], hrow[2][2];
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
-    const int t = warp + m * kWarps;
+    const int t = m < tiles ? warp + m * kWarps : 0;  // a tile past the image computes tile 0 again, unused
     const int pl = 16 * t + (lane & 7) + 8 * ((lane >> 3) & 1);
     hc[m] = (pl / p.w + 1) * wp + pl % p.w + 1;
 #pragma unroll
@@ -191,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
       for (int e = 0; e < 4; ++e) acc[m][nt][e] = 0.f;
   cp_async_wait<1>();  // conv1's filter and the halo (conv2's filter may still be in flight)
   __syncthreads();
-  conv3x3<T>(acc, halo, filt1, hc, tiles, wp);
+  conv3x3<T>(acc, halo, filt1, hc, wp);
   __syncthreads();  // every warp is done reading a: h2 goes over it
 
   // conv1's FixUp: h2 = relu(acc + b1b) + b2a, into the halo's interior (its border stays zero).
@@ -205,11 +225,16 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
           const uint32_t v = pack2_after_relu<T>(relu_keep_nan(acc[m][nt][2 * r] + b1b),
                                                  relu_keep_nan(acc[m][nt][2 * r + 1] + b1b), b2a);
           *reinterpret_cast<uint32_t*>(halo_ptr + swz(hrow[m][r], nt, kRowBytes) + 4 * q) = v;
-          acc[m][nt][2 * r] = acc[m][nt][2 * r + 1] = 0.f;
         }
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][nt][e] = 0.f;
   cp_async_wait<0>();
   __syncthreads();
-  conv3x3<T>(acc, halo, filt2, hc, tiles, wp);
+  conv3x3<T>(acc, halo, filt2, hc, wp);
   __syncthreads();  // every warp is done reading h2: o goes into the same space
 
   // conv2's FixUp o = T(acc * scale + b2b), staged as [pixel][64] (swizzled rows).
@@ -262,16 +287,16 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
   }
   __syncthreads();
   if (warp < kHidden) {  // fc1 + ReLU: one warp per hidden unit
-    float s = p.fc1_w[warp * kP + lane] * mean[lane] + p.fc1_w[warp * kP + lane + 32] * mean[lane + 32];
+    float s = fc1_w[warp * kP + lane] * mean[lane] + fc1_w[warp * kP + lane + 32] * mean[lane + 32];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (lane == 0) hid[warp] = relu_keep_nan(s + p.fc1_b[warp]);
+    if (lane == 0) hid[warp] = relu_keep_nan(s + fc1_b[warp]);
   }
   __syncthreads();
   if (tid < kP) {  // fc2 + sigmoid
-    float s = p.fc2_b[tid];
+    float s = fc2_b[tid];
 #pragma unroll
-    for (int j = 0; j < kHidden; ++j) s += p.fc2_w[tid * kHidden + j] * hid[j];
+    for (int j = 0; j < kHidden; ++j) s += fc2_w[tid * kHidden + j] * hid[j];
     gate[tid] = 1.f / (1.f + __expf(-s));
   }
   __syncthreads();
@@ -311,7 +336,8 @@ cudaError_t launch_fused_block(const FusedBlockArgs& p, ConvDType dtype, cudaStr
       !p.scalars || !p.fc1_w || !p.fc1_b || !p.fc2_w || !p.fc2_b || (!p.y && !p.a_next) ||
       (p.a_next && !p.next_b1a))
     return cudaErrorInvalidValue;
-  if (!aligned16(p.a) || !aligned16(p.identity) || !aligned16(p.w1) || !aligned16(p.w2) ||
+  if (!aligned16(p.a) || !aligned16(p.identity) || !aligned16(p.w1) || !aligned16(p.w2) || !aligned16(p.fc1_w) ||
+      !aligned16(p.fc1_b) || !aligned16(p.fc2_w) || !aligned16(p.fc2_b) ||
       (p.y && !aligned16(p.y)) || (p.a_next && !aligned16(p.a_next)))
     return cudaErrorInvalidValue;
   auto kernel = dtype == ConvDType::kF16 ? fused_block_kernel<__half> : fused_block_kernel<__nv_bfloat16>;
