@@ -76,14 +76,12 @@ __device__ __forceinline__ uint32_t swz(int r, int c, int pitch) {
   return uint32_t(r) * pitch + (uint32_t(c ^ (r & 7)) << 4);
 }
 
-// Taps [tap_begin, tap_end) of a filter [64][3][3][64] (KRSC) of T into shared memory: row n = output channel, 72
-// chunks of 8 input values (8 per tap).
-__device__ __forceinline__ void stage_filter(uint32_t dst, const void* w, int tap_begin = 0, int tap_end = kTaps) {
+// A filter [64][3][3][64] (KRSC) of T into shared memory: row n = output channel, 72 chunks of 8 input values.
+__device__ __forceinline__ void stage_filter(uint32_t dst, const void* w) {
   const char* src = static_cast<const char*>(w);
-  const int per_row = 8 * (tap_end - tap_begin);
-  for (int i = threadIdx.x; i < kP * per_row; i += kThreads) {
-    const int n = i / per_row, c = 8 * tap_begin + i % per_row;
-    cp_async16(dst + swz(n, c, kFilterPitch), src + (int64_t(n) * (kK / 8) + c) * 16);
+  for (int i = threadIdx.x; i < kP * (kK / 8); i += kThreads) {
+    const int n = i / (kK / 8), c = i % (kK / 8);
+    cp_async16(dst + swz(n, c, kFilterPitch), src + int64_t(i) * 16);
   }
 }
 
@@ -109,8 +107,8 @@ __device__ __forceinline__ uint32_t pack2_after_relu(float lo, float hi, float p
 // past the image, whose results the caller drops: the loop stays free of branches).
 template <class T>
 __device__ __forceinline__ void conv3x3(float (&acc)[2][8][4], uint32_t halo, uint32_t filt, const int (&hc)[2],
-                                        int wp, int tap_begin = 0, int tap_end = kTaps) {
-  const int first = 4 * tap_begin, steps = 4 * tap_end;  // k16 steps; first is even (the buffer index below)
+                                        int wp) {
+  constexpr int kSteps = kTaps * (kP / 16);
   const int lane = threadIdx.x & 31;
   const int a_chunk = lane >> 4;                                   // k 0-7 or 8-15 of a k16 step
   const uint32_t b_base = filt + uint32_t((lane & 7) + 8 * (lane >> 4)) * kFilterPitch;  // this lane's B row
@@ -125,11 +123,11 @@ __device__ __forceinline__ void conv3x3(float (&acc)[2][8][4], uint32_t halo, ui
     for (int np = 0; np < 4; ++np) ldsm_x4(b[np], b_base + np * 16 * kFilterPitch + boff);  // n8 tiles 2np, 2np+1
   };
   uint32_t a[2][2][4], b[2][4][4];
-  load(first, a[0], b[0]);
+  load(0, a[0], b[0]);
 #pragma unroll 2
-  for (int st = first; st < steps; ++st) {
+  for (int st = 0; st < kSteps; ++st) {
     const int cur = st & 1;
-    if (st + 1 < steps) load(st + 1, a[cur ^ 1], b[cur ^ 1]);
+    if (st + 1 < kSteps) load(st + 1, a[cur ^ 1], b[cur ^ 1]);
 #pragma unroll
     for (int np = 0; np < 4; ++np)
 #pragma unroll
@@ -159,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
 
   // The filters are parameters, never written by the kernel before this one in the stream: they load before the
   // programmatic wait (the predecessor had started, so everything before it had finished).
-  stage_filter(filt1, p.w1, 0, 3);  // conv1's first three taps; the rest after the halo (conv1 starts sooner)
+  stage_filter(filt1, p.w1);
   {  // the squeeze-excite's parameters (16-byte aligned arrays of multiples of 4 floats)
     const float* src[4] = {p.fc1_w, p.fc2_w, p.fc1_b, p.fc2_b};
     float* dst[4] = {fc1_w, fc2_w, fc1_b, fc2_b};
@@ -182,10 +180,6 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
         *reinterpret_cast<uint4*>(halo_ptr + (dst - halo)) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  cp_async_commit();
-  stage_filter(filt1, p.w1, 3, 6);
-  cp_async_commit();
-  stage_filter(filt1, p.w1, 6, 9);
   cp_async_commit();
   stage_filter(filt2, p.w2);
   cp_async_commit();
@@ -215,18 +209,9 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][nt][e] = 0.f;
-  // conv1 in three tap groups, each as soon as its part of the filter has landed (all 128 CTAs pull the same 72 KB
-  // from L2 at once: the first MMAs need only the first third); conv2's filter streams in behind.
-  // Five groups in flight: {taps 0-2, fc}, {halo}, {taps 3-5}, {taps 6-8}, {conv2's filter}.
-  cp_async_wait<3>();  // taps 0-2, the squeeze-excite's parameters and the halo
+  cp_async_wait<1>();  // conv1's filter and the halo (conv2's filter may still be in flight)
   __syncthreads();
-  conv3x3<T>(acc, halo, filt1, hc, wp, 0, 3);
-  cp_async_wait<2>();
-  __syncthreads();
-  conv3x3<T>(acc, halo, filt1, hc, wp, 3, 6);
-  cp_async_wait<1>();
-  __syncthreads();
-  conv3x3<T>(acc, halo, filt1, hc, wp, 6, 9);
+  conv3x3<T>(acc, halo, filt1, hc, wp);
   __syncthreads();  // every warp is done reading a: h2 goes over it
 
   // conv1's FixUp: h2 = relu(acc + b1b) + b2a, into the halo's interior (its border stays zero).
