@@ -85,20 +85,32 @@ __device__ __forceinline__ void stage_filter(uint32_t dst, const void* w) {
   }
 }
 
-// The T value pair (lo, hi) of post + v for ReLU outputs v: an active v never stores T(post) (numeric.cuh
-// pack8_after_relu, the rule of every kfuse epilogue that adds a bias after a ReLU).
-template <class T>
-__device__ __forceinline__ uint32_t pack2_after_relu(float lo, float hi, float post) {
-  const uint32_t post_bits = t_bits<T>(to_t<T>(post));
-  const float v[2] = {lo, hi};
-  uint32_t out = 0;
+// acc = 0 before a convolution.
+__device__ __forceinline__ void zero(float (&acc)[2][8][4]) {
 #pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    uint32_t b = t_bits<T>(to_t<T>(post + v[k]));
-    if (post != 0.0f && v[k] > 0.0f && b == post_bits) b = next_up_bits(b);
-    out |= b << (16 * k);
-  }
-  return out;
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][nt][e] = 0.f;
+}
+
+// An epilogue's pass over this thread's accumulators of the warp's valid m16 tiles: for accumulator row r (0: g,
+// 1: g + 8) of tile m and n8 tile nt, stores pack(acc pair) as 4 bytes at channels 8 nt + 2 q, +1 of shared-memory
+// row row(m, r) (128-byte rows, swizzled as the halo tile).
+template <class Row, class Pack>
+__device__ __forceinline__ void store_pairs(const float (&acc)[2][8][4], int tiles, unsigned char* base, Row row,
+                                            Pack pack) {
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+    if (m < tiles)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          *reinterpret_cast<uint32_t*>(base + swz(row(m, r), nt, kRowBytes) + 4 * q) =
+              pack(acc[m][nt][2 * r], acc[m][nt][2 * r + 1]);
 }
 
 // acc[m][nt] += the 3x3 convolution of the halo tile for this warp's two m16 tiles and the 8 n8 tiles of all 64
@@ -152,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
   float* const fc2_w = fc1_w + kFc1W;
   float* const fc1_b = fc2_w + kFc2W;
   float* const fc2_b = fc1_b + kHidden;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2;
   const int64_t img = blockIdx.x;
 
   // The filters are parameters, never written by the kernel before this one in the stream: they load before the
@@ -203,52 +215,26 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
               b2b = __ldg(p.scalars + 4);
 
   float acc[2][8][4];
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[m][nt][e] = 0.f;
+  zero(acc);
   cp_async_wait<1>();  // conv1's filter and the halo (conv2's filter may still be in flight)
   __syncthreads();
   conv3x3<T>(acc, halo, filt1, hc, wp);
   __syncthreads();  // every warp is done reading a: h2 goes over it
 
-  // conv1's FixUp: h2 = relu(acc + b1b) + b2a, into the halo's interior (its border stays zero).
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-    if (m < tiles)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const uint32_t v = pack2_after_relu<T>(relu_keep_nan(acc[m][nt][2 * r] + b1b),
-                                                 relu_keep_nan(acc[m][nt][2 * r + 1] + b1b), b2a);
-          *reinterpret_cast<uint32_t*>(halo_ptr + swz(hrow[m][r], nt, kRowBytes) + 4 * q) = v;
-        }
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[m][nt][e] = 0.f;
+  // conv1's FixUp: h2 = relu(acc + b1b) + b2a (faithful where active), into the halo's interior (its border stays
+  // zero).
+  store_pairs(acc, tiles, halo_ptr, [&](int m, int r) { return hrow[m][r]; }, [&](float lo, float hi) {
+    return pack2_after_relu<T>(relu_keep_nan(lo + b1b), relu_keep_nan(hi + b1b), b2a);
+  });
+  zero(acc);
   cp_async_wait<0>();
   __syncthreads();
   conv3x3<T>(acc, halo, filt2, hc, wp);
   __syncthreads();  // every warp is done reading h2: o goes into the same space
 
   // conv2's FixUp o = T(acc * scale + b2b), staged as [pixel][64] (swizzled rows).
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-    if (m < tiles)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int pix = 16 * (warp + m * kWarps) + g + 8 * r;
-          const uint32_t v = pack2<T>(fmaf(acc[m][nt][2 * r], scale, b2b), fmaf(acc[m][nt][2 * r + 1], scale, b2b));
-          *reinterpret_cast<uint32_t*>(halo_ptr + swz(pix, nt, kRowBytes) + 4 * q) = v;
-        }
+  store_pairs(acc, tiles, halo_ptr, [&](int m, int r) { return 16 * (warp + m * kWarps) + g + 8 * r; },
+              [&](float lo, float hi) { return pack2<T>(fmaf(lo, scale, b2b), fmaf(hi, scale, b2b)); });
   // The identity's vectors of this thread (chunk tid & 7 of pixels tid / 8 + 32 j), issued before the squeeze so
   // that their latency overlaps it.
   constexpr int kVecs = kMaxPixels * 8 / kThreads;

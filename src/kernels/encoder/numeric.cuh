@@ -80,27 +80,28 @@ __device__ __forceinline__ uint32_t next_up_bits(uint32_t bits) {
   return (bits & 0x8000u) ? bits - 1 : bits + 1;
 }
 
-// T(post + v) of 8 values v (after a ReLU where there is one), where a positive v never stores T(post): the next value
+// T(post + v) of a pair of values v (after a ReLU where there is one), where a positive v never stores T(post): the next value
 // above it instead (faithful rounding, within one ulp). Then v > 0 <=> stored > T(post), exactly, and a backward reads
 // the ReLU's decision from the stored sum alone (fixup_epilogue.h does the same for conv1's h2 = relu(.) + b2a; the
 // squeeze-excite for the next block's a = relu(.) + b1a). post == 0 stores T(v): the decision is then T(v) > 0.
 template <class T>
-__device__ __forceinline__ uint4 pack8_after_relu(const float (&v)[8], float post) {
+__device__ __forceinline__ uint32_t pack2_after_relu(float lo, float hi, float post) {
   const uint32_t post_bits = t_bits<T>(to_t<T>(post));
-  uint32_t w[4];
+  const float v[2] = {lo, hi};
+  uint32_t out = 0;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    uint32_t out = 0;
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const float x = v[2 * j + k];
-      uint32_t b = t_bits<T>(to_t<T>(post + x));
-      if (post != 0.0f && x > 0.0f && b == post_bits) b = next_up_bits(b);
-      out |= b << (16 * k);
-    }
-    w[j] = out;
+  for (int k = 0; k < 2; ++k) {
+    uint32_t b = t_bits<T>(to_t<T>(post + v[k]));
+    if (post != 0.0f && v[k] > 0.0f && b == post_bits) b = next_up_bits(b);
+    out |= b << (16 * k);
   }
-  return make_uint4(w[0], w[1], w[2], w[3]);
+  return out;
+}
+// The same for 8 values as one 16-byte vector.
+template <class T>
+__device__ __forceinline__ uint4 pack8_after_relu(const float (&v)[8], float post) {
+  return make_uint4(pack2_after_relu<T>(v[0], v[1], post), pack2_after_relu<T>(v[2], v[3], post),
+                    pack2_after_relu<T>(v[4], v[5], post), pack2_after_relu<T>(v[6], v[7], post));
 }
 
 // A raw convolution output v (in fp32) -> T(v * scale + shift), returned in fp32: one fp32 fma, one round-to-nearest
