@@ -23,6 +23,13 @@ cudnn_inc=$(dirname "$(find /usr/local/cuda/include /usr/include -maxdepth 1 -na
 if [[ -n "$cudnn_inc" && -f "$cudnn_inc/cudnn.h" ]]; then
   mkdir -p .kfuse-dist/include/cudnn && cp "$cudnn_inc"/cudnn*.h .kfuse-dist/include/cudnn/
 fi
+# cuDNN's graph API frontend (header-only; kernels/conv/cudnn_fused.cpp is compiled there). Its headers include
+# "../include/...": the folder must be named include.
+cfe=$(.venv/bin/python -c 'import sysconfig,os;d=os.path.join(sysconfig.get_paths()["purelib"],"include");print(d if os.path.isfile(d+"/cudnn_frontend.h") else "")' 2>/dev/null || true)
+if [[ -n "$cfe" ]]; then
+  mkdir -p .kfuse-dist/cudnn_frontend/include
+  cp -r "$cfe"/cudnn_frontend* "$cfe"/cudnn_backend_base.h .kfuse-dist/cudnn_frontend/include/
+fi
 cp build/tests/cpp/test_*_gpu .kfuse-dist/bin/
 { git rev-parse --short HEAD 2>/dev/null || echo unknown; } | tr -d '\n' > .kfuse-dist/COMMIT
 if git status --porcelain --untracked-files=no | grep -q .; then echo -n "+dirty" >> .kfuse-dist/COMMIT; fi

@@ -59,6 +59,9 @@ cudnn_inc_arg=()
 if [[ ! -f /usr/local/cuda/include/cudnn.h && -f .kfuse-dist/include/cudnn/cudnn.h ]]; then
   cudnn_inc_arg=(-DKFUSE_CUDNN_INCLUDE_DIR="$root/.kfuse-dist/include/cudnn")
 fi
+if [[ -f .kfuse-dist/cudnn_frontend/include/cudnn_frontend.h ]]; then
+  cudnn_inc_arg+=(-DKFUSE_CUDNN_FRONTEND_DIR="$root/.kfuse-dist/cudnn_frontend/include")
+fi
 compiler=()
 if [[ -x /usr/bin/g++ ]]; then
   compiler=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++)

@@ -36,6 +36,8 @@ py="$venv/bin/python"
 "$py" -m pip install -q -r scripts/requirements.txt
 # CUTLASS ships its C++ headers only inside this wheel; its Python dependencies are not wanted.
 "$py" -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
+# cuDNN's graph API frontend, header-only C++ (its include/ folder; the wheel's Python part is not used).
+"$py" -m pip install -q --no-deps nvidia-cudnn-frontend==1.32.0
 # The in-tree package (python/kfuse, its extension built into it by CMake) is importable from the venv.
 site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$root/python" > "$site/kfuse-dev.pth"

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -101,6 +102,11 @@ class EncoderGpu {
   // Where the device has the shared memory for it (227 KB per block: Hopper), unless the environment sets
   // KFUSE_FUSED_BLOCK=0 when the encoder is created. The training step never fuses: its backward needs h2 and o.
   int fused_block_count(int h, int w) const;
+  // How many blocks of the training step on n x C x h x w inputs run conv1 with its FixUp epilogue as one cuDNN graph
+  // (and how many also conv2's data gradient with the ReLU mask), as decided at that geometry's first forward_train;
+  // {0, 0} before it. KFUSE_CUDNN_FUSED (read when the training state is created) chooses: 1 where the tuner runs
+  // conv1 in cuDNN, all, or 0.
+  std::pair<int, int> cudnn_fused_count(int n, int h, int w) const;
 
   struct Impl;  // opaque (src/runtime/encoder_gpu_impl.h)
 

@@ -382,7 +382,10 @@ NB_MODULE(_C, m) {
       .def_prop_ro("graph_count", &EncoderGpu::graph_count)
       .def_prop_ro("uses_programmatic_launch", &EncoderGpu::uses_programmatic_launch)
       .def("fused_block_count", &EncoderGpu::fused_block_count, "h"_a, "w"_a,
-           "How many blocks of the inference forward on h x w inputs run as one fused kernel each");
+           "How many blocks of the inference forward on h x w inputs run as one fused kernel each")
+      .def("cudnn_fused_count", &EncoderGpu::cudnn_fused_count, "n"_a, "h"_a, "w"_a,
+           "(blocks whose conv1 + FixUp epilogue, blocks whose conv2 data gradient + ReLU mask) run as cuDNN graphs "
+           "in the training step of that geometry");
 #endif
 
   bind_mlp(m);

@@ -2,6 +2,7 @@
 // training step (encoder_train.cpp). Not installed.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 
 #include <map>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "kernels/conv/conv_fixup.h"
+#include "kernels/conv/cudnn_fused.h"
 #include "kernels/encoder/encoder_kernels.h"
 #include "kernels/programmatic_launch.h"
 #include "kfuse/encoder_gpu.h"
@@ -152,6 +154,10 @@ struct Activations {
   bool conv2_raw = false;
   // Training: the backward reads h2 and o, so every block runs as separate kernels (no fused block).
   bool training = false;
+  // Training, per block, or empty: where non-null, conv1 and its FixUp epilogue run as one cuDNN graph
+  // (kernels/conv/cudnn_fused.h) that writes h = relu(conv1 + b1b) here beside h2 = h + b2a, and the backward's
+  // ReLU mask is h > 0 (rather than h2 > b2a, which needs the CUTLASS epilogue's faithful rounding of h2).
+  std::vector<void*> h;
 };
 
 // The launch sequence of one geometry, captured once.
@@ -520,7 +526,8 @@ struct EncoderGpu::Impl {
               kernels::SqueezeExciteArgs tail, cudaStream_t stream, CapturedEnds* ends = nullptr) {
     check_cuda(kernels::launch_stem(stem_args, dtype, stream), "stem kernel");
     if (ends) ends->stem = last_captured_node(stream);
-    const bool chain = use_pdl && !any_cudnn(g);
+    const bool fused_cudnn = std::any_of(act.h.begin(), act.h.end(), [](void* p) { return p != nullptr; });
+    const bool chain = use_pdl && !any_cudnn(g) && !fused_cudnn;
     kernels::PdlScope programmatic(chain);
     int h = g.h / 4, w = g.w / 4;
     for (size_t i = 0; i < blocks.size(); ++i) {
@@ -558,7 +565,11 @@ struct EncoderGpu::Impl {
         check_cuda(cudaEventRecord(join_events[i], side), "cudaEventRecord");
       }
       kernels::FixupEpilogue e1{nullptr, s + kB1b, s + kB2a, true};  // h + b2a = relu(acc + b1b) + b2a
-      {
+      if (i < act.h.size() && act.h[i]) {
+        check_cuda(kernels::cudnn_fused_conv_relu(probs[0], dtype, act.a[i], wptr(W.conv1), s + kB1b, s + kB2a,
+                                                  act.h[i], act.h2[i], stream),
+                   "conv1 with its FixUp epilogue (cuDNN graph, " + conv_shape_key(probs[0]) + ")");
+      } else {
         kernels::PdlScope conv1_scope(chain && (pdl_policy < 3 || !b.has_downsample));
         conv(probs[0], act.a[i], W.conv1, act.h2[i], e1, stream);
       }

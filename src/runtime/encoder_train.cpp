@@ -25,6 +25,7 @@
 #include <unordered_map>
 
 #include "kernels/conv/conv_backward.h"
+#include "kernels/conv/cudnn_fused.h"
 #include "kernels/encoder/backward_kernels.h"
 #include "kernels/encoder/weight_layout.h"
 #include "kfuse/encoder_gpu.h"
@@ -44,6 +45,10 @@ struct TrainBuffers {
   Activations act;                               // forward: x0, a, h2, o (raw: conv2_raw), y (stash), idt (scratch)
   std::vector<void*> d_o, dh2, dcat, dz, dx;     // per block; dz only for identity blocks (else inside dcat)
   std::vector<float*> g1, g2;                    // KRSC weight-gradient sums (fp32, or T): conv1 [+ shortcut], conv2
+  // Blocks whose forward runs conv1 as a cuDNN graph (act.h non-null): where fused_dgrad, conv2's data gradient and
+  // the ReLU-mask backward are one cuDNN graph too, whose per-channel sums (2 x P floats) land in sums.
+  std::vector<char> fused_dgrad;
+  std::vector<float*> sums;
   uint64_t stash = 0;                            // id of the forward whose values the buffers hold (0: none)
   DType y_dtype = DType::F32;
 };
@@ -73,6 +78,11 @@ struct TrainingState {
   std::vector<cudaEvent_t> wgrad_fork;
   cudaEvent_t wgrad_join = nullptr;
   bool weights_from_device = false;
+  // cuDNN graphs for conv1 + its FixUp epilogue and conv2's data gradient + the ReLU mask (kernels/conv/cudnn_fused.h):
+  // KFUSE_CUDNN_FUSED=1 (default) where the tuner runs conv1 in cuDNN anyway (it would pay a separate epilogue pass),
+  // "all" in every block that cuDNN supports (for tests), 0 never (the A/B switch; PERF.md session 16).
+  enum class CudnnFused { kOff, kWhereCudnn, kAll } cudnn_fused = CudnnFused::kWhereCudnn;
+  float* zero = nullptr;  // a device 0.0f: the ReLU-mask kernel's threshold when it reads h instead of h2
   // Backward convolution choices per shape (conv_shape_key of the forward problem): the tuner's, else the heuristic.
   std::map<std::string, WgradChoice> wgrad_choice;
   std::map<std::string, DgradChoice> dgrad_choice;
@@ -84,6 +94,7 @@ struct TrainingState {
     cudaFree(d_pack_jobs);
     cudaFree(d_grad_jobs);
     cudaFree(scratch);
+    cudaFree(zero);
     for (cudaEvent_t e : wgrad_fork) cudaEventDestroy(e);
     if (wgrad_join) cudaEventDestroy(wgrad_join);
   }
@@ -122,6 +133,14 @@ TrainingState& training(EncoderGpu::Impl& m) {
                   "KFUSE_WGRAD_BRANCH must be 0 (everything on the main stream) or 1 (the weight gradients on a side "
                   "branch), got '", branch, "'");
       t.wgrad_branch = branch == "1";
+    }
+    if (const char* v = std::getenv("KFUSE_CUDNN_FUSED"); v && *v) {
+      const std::string f = v;
+      KFUSE_CHECK(f == "0" || f == "1" || f == "all", InvalidArgument,
+                  "KFUSE_CUDNN_FUSED must be 0 (never), 1 (where the tuner runs conv1 in cuDNN) or all, got '", f,
+                  "'");
+      t.cudnn_fused = f == "0" ? TrainingState::CudnnFused::kOff
+                               : f == "1" ? TrainingState::CudnnFused::kWhereCudnn : TrainingState::CudnnFused::kAll;
     }
     int64_t off = 0;
     const auto specs = m.config.parameter_specs();
@@ -250,9 +269,37 @@ void tune_backward_on_first_use(EncoderGpu::Impl& m, TrainingState& t, const Geo
   tune_backward(m, t, g, m.tuning_mode, nullptr, rows);
 }
 
-TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g) {
+// Which blocks run the cuDNN graphs (TrainingState::cudnn_fused): fwd[i] conv1 + epilogue, bwd[i] also conv2's data
+// gradient + ReLU mask (not where conv2's data gradient is the dense GEMM of 2 x 2 maps, which no cuDNN kernel
+// matches). Builds and tunes the graphs: never inside a stream capture.
+void choose_cudnn_fused(const EncoderGpu::Impl& m, const TrainingState& t, const Geometry& g, cudaStream_t stream,
+                        std::vector<char>& fwd, std::vector<char>& bwd) {
+  const size_t nb = m.blocks.size();
+  fwd.assign(nb, 0);
+  bwd.assign(nb, 0);
+  if (t.cudnn_fused == TrainingState::CudnnFused::kOff) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) return;
+  const std::vector<BlockProblems> probs = geometry_problems(m, g);
+  for (size_t i = 0; i < nb; ++i) {
+    const BlockProblems& bp = probs[i];
+    const auto& b = m.blocks[i];
+    if (t.cudnn_fused == TrainingState::CudnnFused::kWhereCudnn && !m.choose(bp.conv1, true).is_cudnn()) continue;
+    fwd[i] = kernels::cudnn_fused_prepare(kernels::CudnnFusedOp::kConvRelu, bp.conv1, m.dtype);
+    const DgradChoice d2 = dgrad_for(m, t, bp.conv2);
+    const bool dense = d2.kind == DgradChoice::Kind::kFlippedForward && d2.fprop.dense;
+    bwd[i] = fwd[i] && !dense &&
+             kernels::cudnn_fused_prepare(kernels::CudnnFusedOp::kDgradMask, bp.conv2, m.dtype,
+                                          b.has_downsample ? 2 * b.planes : b.planes);
+  }
+}
+
+TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g, cudaStream_t stream) {
   auto it = t.buffers.find(g);
   if (it != t.buffers.end()) return it->second;
+  std::vector<char> fused_fwd, fused_bwd;
+  choose_cudnn_fused(m, t, g, stream, fused_fwd, fused_bwd);
   size_t total = 0;
   auto take = [&](size_t bytes) {
     const size_t off = total;
@@ -261,7 +308,7 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
   };
   const size_t es = 2;
   struct Offs {
-    size_t a, h2, o, y, idt, d_o, dh2, dcat, dz, dx, g1, g2;
+    size_t a, h2, o, y, idt, d_o, dh2, dcat, dz, dx, g1, g2, h, sums;
   };
   int h = g.h / 4, w = g.w / 4;
   const size_t x0 = take(es * g.n * h * w * m.config.base_planes);
@@ -284,6 +331,9 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
     o.dx = take(es * in);
     o.g1 = take(4 * size_t(b.has_downsample ? 2 : 1) * b.planes * 9 * b.in_planes);
     o.g2 = take(4 * size_t(b.planes) * 9 * b.planes);
+    const size_t i = offs.size();
+    o.h = fused_fwd[i] ? take(es * out) : kNone;
+    o.sums = fused_bwd[i] ? take(4 * 2 * size_t(b.planes)) : kNone;
     offs.push_back(o);
     h /= b.stride;
     w /= b.stride;
@@ -313,6 +363,9 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
     tb.dx.push_back(at(o.dx));
     tb.g1.push_back(static_cast<float*>(at(o.g1)));
     tb.g2.push_back(static_cast<float*>(at(o.g2)));
+    tb.act.h.push_back(at(o.h));
+    tb.sums.push_back(static_cast<float*>(at(o.sums)));
+    tb.fused_dgrad.push_back(fused_bwd[i]);
   }
   return t.buffers.emplace(g, std::move(tb)).first->second;
 }
@@ -399,7 +452,7 @@ uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensor
   m.tune_on_first_use(g, stream);
   tune_backward_on_first_use(m, t, g, stream);
   m.ensure_workspace(g);
-  TrainBuffers& tb = train_buffers(m, t, g);
+  TrainBuffers& tb = train_buffers(m, t, g, stream);
   const kernels::StemArgs stem = m.stem_args(x, tb.act);
   kernels::SqueezeExciteArgs tail;
   tail.out_nchw = y.data;
@@ -423,6 +476,19 @@ std::vector<OpTuningReport> EncoderGpu::tune_training(int n, int h, int w, Tunin
   Impl::Device scope(m.device);
   tune_backward(m, training(m), Geometry{n, h, w}, mode, progress, rows);
   return rows;
+}
+
+std::pair<int, int> EncoderGpu::cudnn_fused_count(int n, int h, int w) const {
+  const Impl& m = *impl_;
+  if (!m.training) return {0, 0};
+  const auto it = m.training->buffers.find(Geometry{n, h, w});
+  if (it == m.training->buffers.end()) return {0, 0};
+  int fwd = 0, bwd = 0;
+  for (size_t i = 0; i < it->second.act.h.size(); ++i) {
+    fwd += it->second.act.h[i] != nullptr;
+    bwd += it->second.fused_dgrad[i] != 0;
+  }
+  return {fwd, bwd};
 }
 
 bool EncoderGpu::stash_valid(uint64_t stash) const {
@@ -470,6 +536,10 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
   Impl::Device scope(m.device);
   const size_t nb = m.blocks.size();
   auto grad = [&](const std::string& name) { return grads + t.grad_offset[param_index(t, name)]; };
+  if (!t.zero) {  // before the arguments below take its address
+    check_cuda(cudaMalloc(&t.zero, sizeof(float)), "cudaMalloc");
+    check_cuda(cudaMemset(t.zero, 0, sizeof(float)), "cudaMemset");
+  }
 
   // Geometry per block and the backward convolutions' kernels; every workspace comes from one scratch area (the
   // launches on one stream use it one at a time).
@@ -544,6 +614,10 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       r.dh = tb.dh2[i];
       r.h2 = tb.act.h2[i];
       r.b2a = fp(W.scalars) + kB2a;
+      if (tb.act.h[i]) {  // the cuDNN graph's forward: the mask is h > 0 (TrainBuffers::fused_dgrad)
+        r.h2 = tb.act.h[i];
+        r.b2a = t.zero;
+      }
       r.scale = fp(W.scalars) + kScale;  // the data gradient below leaves conv2's scale out
       r.pixels = int64_t(g.n) * ho * wo;
       r.c = b.planes;
@@ -618,6 +692,7 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
   const void* const scratch_before = t.scratch;
   const GradJob* const jobs_before = t.d_grad_jobs;
   ensure_scratch(t, std::max<size_t>(scratch, 256), se_ws_total);
+
   if (jobs.size() > t.grad_job_capacity) {
     cudaFree(t.d_grad_jobs);
     t.d_grad_jobs = nullptr;
@@ -680,12 +755,24 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
                  "squeeze-excite parameter gradients" + where);
       check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], wws, wsb, wstream),
                  "conv2 weight gradient (" + c.wgrad2.name() + ")" + where);
-      // dh2 / scale = conv2^T(d_o); the ReLU-mask backward applies the scale.
-      check_cuda(run_dgrad(c.dgrad2, bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2), wflip(W.conv2_flip),
-                           tb.dh2[ii], ws, wsb, stream),
-                 "conv2 data gradient (" + c.dgrad2.name() + ")" + where);
-      check_cuda(kernels::launch_relu_mask_backward(mask[ii], m.dtype, ws, stream), "ReLU mask backward" + where);
-      fork_wgrad(2 * ii + 1);
+      if (tb.fused_dgrad[ii]) {
+        // d_pre = h > 0 ? scale * conv2^T(d_o) : 0, into [d_pre | dz], and the per-channel sums: one cuDNN graph.
+        check_cuda(kernels::cudnn_fused_dgrad_mask(bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2),
+                                                   fp(W.scalars) + kScale, tb.act.h[ii], tb.dcat[ii],
+                                                   mask[ii].d_pre_pitch, tb.sums[ii], stream),
+                   "conv2 data gradient with the ReLU mask (cuDNN graph)" + where);
+        fork_wgrad(2 * ii + 1);
+        check_cuda(kernels::launch_sum_pair_finalize(tb.sums[ii], b.planes, mask[ii].sum_dh, mask[ii].sum_d_pre,
+                                                     wstream),
+                   "FixUp bias gradients" + where);
+      } else {
+        // dh2 / scale = conv2^T(d_o); the ReLU-mask backward applies the scale.
+        check_cuda(run_dgrad(c.dgrad2, bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2), wflip(W.conv2_flip),
+                             tb.dh2[ii], ws, wsb, stream),
+                   "conv2 data gradient (" + c.dgrad2.name() + ")" + where);
+        check_cuda(kernels::launch_relu_mask_backward(mask[ii], m.dtype, ws, stream), "ReLU mask backward" + where);
+        fork_wgrad(2 * ii + 1);
+      }
       check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], wws, wsb,
                            wstream),
                  "conv1 weight gradient (" + c.wgrad1.name() + ")" + where);

@@ -136,6 +136,30 @@ def test_gradients_match_float64_reference(make_reference, c, n, precision):
     assert_grads_close(g, g_ref, torch_mixed_grads(ref, x, dy, precision, realizations=3))
 
 
+@pytest.mark.parametrize("precision", [torch.float16, torch.bfloat16])
+def test_cudnn_graph_epilogues_match_float64_reference(make_reference, monkeypatch, precision):
+    """KFUSE_CUDNN_FUSED=all: in every block, conv1 with its FixUp epilogue (h and h2 written together) and conv2's
+    data gradient with the ReLU mask (h > 0) and the two bias sums run as cuDNN graphs (kernels/conv/cudnn_fused.h),
+    not only where the tuner picks cuDNN. The engine must report them in use; the gradients are held to the float64
+    oracle as in the test above."""
+    monkeypatch.setenv("KFUSE_CUDNN_FUSED", "all")  # read when the engine's training state is created
+    c, n, seed = 3, 33, 2600 + (precision == torch.bfloat16)
+    ref = make_reference(in_channels=c, seed=seed)
+    if precision == torch.bfloat16:
+        ref = ref.to(torch.bfloat16)
+    enc = kfuse.ResNetEncoder.from_torch(ref).cuda().train()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, c, 64, 64, generator=gen)
+    dy = away_from_kinks(ref, x, loss_gradient(n, gen))
+    y_ref, g_ref, _ = reference_grads(ref, x, dy)
+    y, g, _ = kfuse_grads(enc, x.cuda().to(ref.stem[1].weight.dtype), dy.cuda())
+    gpu = next(iter(enc._gpu_engines.values()))[0]
+    fwd, bwd = gpu.cudnn_fused_count(n, 64, 64)
+    assert fwd == 4 and bwd >= 3, f"cuDNN graphs in {fwd} forward / {bwd} backward blocks"  # block 4: maybe dense
+    assert rel_err(y, y_ref) <= 1e-2
+    assert_grads_close(g, g_ref, torch_mixed_grads(ref, x, dy, precision, realizations=3))
+
+
 def test_gradients_at_training_batch(make_reference):
     """Batch 2048 (the training workload). The oracle is float32 PyTorch with TF32 off: its own error (~1e-6) is far
     below the tolerance, and float64 convolutions of this size take minutes."""

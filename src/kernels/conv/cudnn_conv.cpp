@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -39,6 +40,7 @@ struct CudnnApi {
   decltype(&cudnnGetConvolutionBackwardFilterAlgorithm_v7) wgrad_algos = nullptr;
   decltype(&cudnnGetConvolutionBackwardFilterWorkspaceSize) wgrad_workspace = nullptr;
   decltype(&cudnnConvolutionBackwardFilter) wgrad = nullptr;
+  void* library = nullptr;  // libcudnn.so.9's dlopen handle (kernels/conv/cudnn_fused.cpp resolves the graph API in it)
   std::string error;  // empty once everything resolved
 };
 
@@ -75,6 +77,7 @@ const CudnnApi& api() {
       r.error = "libcudnn_cnn.so.9 not found next to libcudnn.so.9";
       return r;
     }
+    r.library = core;
     std::string& e = r.error;
     resolve(core, "cudnnGetVersion", r.get_version, e);
     resolve(core, "cudnnCreate", r.create, e);
@@ -222,6 +225,16 @@ size_t cudnn_conv_workspace_bytes(CudnnConvOp op, const Conv2dProblem& p, ConvDT
   return d.ok ? workspace_locked(op, handle_locked(), d, algo) : SIZE_MAX;
 }
 
+void* cudnn_library() { return api().error.empty() ? api().library : nullptr; }
+
+bool with_cudnn_handle(cudaStream_t stream, const std::function<bool(cudnnHandle_t)>& fn) {
+  if (!api().error.empty()) return false;
+  std::lock_guard<std::mutex> lock(mutex());
+  cudnnHandle_t h = handle_locked();
+  if (!h || api().set_stream(h, stream) != CUDNN_STATUS_SUCCESS) return false;
+  return fn(h);
+}
+
 namespace {
 // `in` is dy (dgrad, wgrad) or x (fprop); `other` is w (fprop, dgrad) or x (wgrad).
 cudaError_t run(CudnnConvOp op, const Conv2dProblem& p, ConvDType dtype, int algo, const void* in, const void* other,
@@ -275,6 +288,8 @@ cudaError_t cudnn_conv_wgrad(const Conv2dProblem& p, ConvDType dtype, int algo, 
 }
 
 #else  // built without the cuDNN headers: no cuDNN candidates
+
+void* cudnn_library() { return nullptr; }
 
 bool cudnn_available(std::string* why) {
   if (why) *why = "kfuse was built without the cuDNN headers";

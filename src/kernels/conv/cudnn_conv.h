@@ -16,10 +16,14 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
+#if KFUSE_HAVE_CUDNN
+#include <cudnn.h>
+#endif
 
 #include "kernels/conv/conv_fixup.h"  // ConvDType
 #include "kernels/conv/conv_problem.h"
@@ -47,5 +51,13 @@ cudaError_t cudnn_conv_dgrad(const Conv2dProblem& p, ConvDType dtype, int algo, 
                              void* dx, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 cudaError_t cudnn_conv_wgrad(const Conv2dProblem& p, ConvDType dtype, int algo, const void* dy, const void* x,
                              void* dw, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// For the graph API's fused operations (kernels/conv/cudnn_fused.h): libcudnn.so.9's dlopen handle (null when cuDNN
+// is unavailable), and a call of `fn` with the current device's handle bound to `stream`, under the lock that
+// serializes every use of kfuse's cuDNN handles. False when cuDNN is unavailable or `fn` returns false.
+void* cudnn_library();
+#if KFUSE_HAVE_CUDNN
+bool with_cudnn_handle(cudaStream_t stream, const std::function<bool(cudnnHandle_t)>& fn);
+#endif
 
 }  // namespace kfuse::kernels

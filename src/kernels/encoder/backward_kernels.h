@@ -82,6 +82,9 @@ struct ReluMaskBackwardArgs {
 size_t relu_mask_backward_workspace_bytes(const ReluMaskBackwardArgs& args);
 cudaError_t launch_relu_mask_backward(const ReluMaskBackwardArgs& args, ConvDType dtype, void* workspace,
                                       cudaStream_t stream);
+// The two full sums from partial sums part[0, parts) and part[parts, 2 parts) (fixed order, float64), as the ReLU-mask
+// backward finishes its own: *sum_a and *sum_b (either may be null) are overwritten. One CTA.
+cudaError_t launch_sum_pair_finalize(const float* part, int parts, float* sum_a, float* sum_b, cudaStream_t stream);
 
 // Backward of the stem x0 = relu(conv1x1(space_to_depth_4(v), W)), v = x * in_scale[c] + in_shift[c], on the
 // operands the forward's multiply consumed (rounded to T, as mixed-precision autograd computes it):

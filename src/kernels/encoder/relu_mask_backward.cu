@@ -176,4 +176,10 @@ cudaError_t launch_relu_mask_backward(const ReluMaskBackwardArgs& a, ConvDType d
   return cudaGetLastError();
 }
 
+cudaError_t launch_sum_pair_finalize(const float* part, int parts, float* sum_a, float* sum_b, cudaStream_t stream) {
+  if (!part || parts <= 0 || (!sum_a && !sum_b)) return cudaErrorInvalidValue;
+  relu_mask_finalize<<<1, kThreads, 0, stream>>>(part, parts, sum_a, sum_b);
+  return cudaGetLastError();
+}
+
 }  // namespace kfuse::kernels
