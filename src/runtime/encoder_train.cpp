@@ -65,22 +65,18 @@ struct TrainingState {
   std::vector<GradJob> grad_jobs;
   GradJob* d_grad_jobs = nullptr;
   size_t grad_job_capacity = 0;
-  // One scratch area for the backward's workspaces, in three equal parts: the main stream's launches use the first,
-  // the weight-gradient branches' the second and third (the launches of one stream run one after another); then one
-  // area per block for its squeeze-excite backward, whose two phases run on two streams.
+  // One scratch area for the backward's workspaces, in two equal halves: the main stream's launches use the first,
+  // the weight-gradient branch's the second (the launches of one stream run one after another); then one area per
+  // block for its squeeze-excite backward, whose two phases run on the two branches.
   void* scratch = nullptr;
-  size_t scratch_bytes = 0;  // per part
-  size_t se_scratch_bytes = 0;  // after the parts: one area per block for the squeeze-excite backward
-  // The weight gradients run on side branches: fork after the kernel that produces their dL/dout, join at the end of
-  // the step (events, which stream capture turns into parallel graph branches). KFUSE_WGRAD_BRANCH: 0 keeps
-  // everything on the main stream (PERF.md session 10); 1 runs them on one side stream (Impl::side); 2 (default) on
-  // two, the squeeze-excite parameters and conv2's weight gradient on Impl::side, conv1's weight gradient and the
-  // block's gradient finalize on side2, so that conv1's does not queue behind conv2's and the previous block's
-  // (PERF.md session 16).
-  int wgrad_branches = 2;
-  cudaStream_t side2 = nullptr;
-  std::vector<cudaEvent_t> wgrad_fork, wgrad2_done;  // 2 per block; 1 per block (conv2's weight gradient on side)
-  cudaEvent_t wgrad_join = nullptr, wgrad_join2 = nullptr;
+  size_t scratch_bytes = 0;  // per half
+  size_t se_scratch_bytes = 0;  // after the halves: one area per block for the squeeze-excite backward
+  // The weight gradients run on a side branch (Impl::side): fork after the kernel that produces their dL/dout, one
+  // join at the end of the step (events, which stream capture turns into parallel graph branches).
+  // KFUSE_WGRAD_BRANCH=0 keeps everything on the main stream (for measuring the difference; PERF.md session 10).
+  bool wgrad_branch = true;
+  std::vector<cudaEvent_t> wgrad_fork;
+  cudaEvent_t wgrad_join = nullptr;
   bool weights_from_device = false;
   // cuDNN graphs for conv1 + its FixUp epilogue and conv2's data gradient + the ReLU mask (kernels/conv/cudnn_fused.h):
   // KFUSE_CUDNN_FUSED=1 (default) where the tuner runs conv1 in cuDNN anyway (it would pay a separate epilogue pass),
@@ -100,10 +96,7 @@ struct TrainingState {
     cudaFree(scratch);
     cudaFree(zero);
     for (cudaEvent_t e : wgrad_fork) cudaEventDestroy(e);
-    for (cudaEvent_t e : wgrad2_done) cudaEventDestroy(e);
     if (wgrad_join) cudaEventDestroy(wgrad_join);
-    if (wgrad_join2) cudaEventDestroy(wgrad_join2);
-    if (side2) cudaStreamDestroy(side2);
   }
 };
 
@@ -136,10 +129,10 @@ TrainingState& training(EncoderGpu::Impl& m) {
     TrainingState& t = *m.training;
     if (const char* v = std::getenv("KFUSE_WGRAD_BRANCH"); v && *v) {
       const std::string branch = v;
-      KFUSE_CHECK(branch == "0" || branch == "1" || branch == "2", InvalidArgument,
-                  "KFUSE_WGRAD_BRANCH must be 0 (everything on the main stream), 1 (the weight gradients on a side "
-                  "branch) or 2 (on two side branches), got '", branch, "'");
-      t.wgrad_branches = branch[0] - '0';
+      KFUSE_CHECK(branch == "0" || branch == "1", InvalidArgument,
+                  "KFUSE_WGRAD_BRANCH must be 0 (everything on the main stream) or 1 (the weight gradients on a side "
+                  "branch), got '", branch, "'");
+      t.wgrad_branch = branch == "1";
     }
     if (const char* v = std::getenv("KFUSE_CUDNN_FUSED"); v && *v) {
       const std::string f = v;
@@ -180,7 +173,7 @@ size_t param_index(const TrainingState& t, const std::string& name) {
 // The first element of a training graph's key: which launch sequence it is.
 enum : int64_t { kForwardTrainGraph = 0, kBackwardGraph = 1 };
 
-// Three parts of `bytes` each (TrainingState::scratch), then `se_bytes` for the squeeze-excite backward's areas.
+// Two halves of `bytes` each (TrainingState::scratch), then `se_bytes` for the squeeze-excite backward's areas.
 void ensure_scratch(TrainingState& t, size_t bytes, size_t se_bytes) {
   bytes = align256(bytes);
   if (bytes <= t.scratch_bytes && se_bytes <= t.se_scratch_bytes) return;
@@ -189,25 +182,18 @@ void ensure_scratch(TrainingState& t, size_t bytes, size_t se_bytes) {
   cudaFree(t.scratch);  // synchronizes with the device: nothing in flight still uses the old area
   t.scratch = nullptr;
   t.scratch_bytes = t.se_scratch_bytes = 0;
-  check_cuda(cudaMalloc(&t.scratch, 3 * bytes + se_bytes), "cudaMalloc (training scratch)");
+  check_cuda(cudaMalloc(&t.scratch, 2 * bytes + se_bytes), "cudaMalloc (training scratch)");
   t.scratch_bytes = bytes;
   t.se_scratch_bytes = se_bytes;
 }
 
 void ensure_wgrad_events(TrainingState& t, size_t blocks) {
-  auto grow = [](std::vector<cudaEvent_t>& v, size_t n) {
-    while (v.size() < n) {
-      cudaEvent_t e;
-      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-      v.push_back(e);
-    }
-  };
-  grow(t.wgrad_fork, 2 * blocks);
-  grow(t.wgrad2_done, blocks);
+  while (t.wgrad_fork.size() < 2 * blocks) {
+    cudaEvent_t e;
+    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    t.wgrad_fork.push_back(e);
+  }
   if (!t.wgrad_join) check_cuda(cudaEventCreateWithFlags(&t.wgrad_join, cudaEventDisableTiming), "cudaEventCreate");
-  if (!t.wgrad_join2) check_cuda(cudaEventCreateWithFlags(&t.wgrad_join2, cudaEventDisableTiming), "cudaEventCreate");
-  if (t.wgrad_branches == 2 && !t.side2)
-    check_cuda(cudaStreamCreateWithFlags(&t.side2, cudaStreamNonBlocking), "cudaStreamCreate");
 }
 
 // Problems of block b whose input is n x h x w (forward conventions of conv_backward.h).
@@ -743,20 +729,17 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
   // The launches go to the lambda's stream: the caller's, or the capture stream when the graph is recorded.
   m.train_graphs.run(key, stream, [&](cudaStream_t stream) {
     void* ws = t.scratch;
+    void* ws_side = static_cast<uint8_t*>(t.scratch) + t.scratch_bytes;
     const size_t wsb = t.scratch_bytes;
-    const int branches = t.wgrad_branches;
-    // The weight gradients run on side branches: nothing on the main path waits for them, so they fill the SMs that
-    // the memory-bound kernels (squeeze-excite, stem backward) and the tails of the data gradients leave idle. Each
-    // branch's launches run in order, one at a time, on its own part of the scratch. Branch 2 (conv1's weight
-    // gradient and the finalize) is branch 1 itself when there is one side stream, the main stream when none.
-    cudaStream_t wstream = branches ? m.side : stream;
-    cudaStream_t wstream1 = branches == 2 ? t.side2 : wstream;
-    void* const wws = branches ? static_cast<uint8_t*>(t.scratch) + wsb : ws;
-    void* const wws1 = branches == 2 ? static_cast<uint8_t*>(t.scratch) + 2 * wsb : wws;
-    auto fork_to = [&](size_t event, cudaStream_t branch) {
-      if (branch == stream) return;
+    cudaStream_t wstream = t.wgrad_branch ? m.side : stream;
+    void* const wws = t.wgrad_branch ? ws_side : ws;
+    // The weight gradients run on the side branch: nothing on the main path waits for them, so they fill the SMs
+    // that the memory-bound kernels (squeeze-excite, ReLU mask, stem backward) and the tails of the data gradients
+    // leave idle. The side branch's launches run in order, one at a time, on its half of the scratch.
+    auto fork_wgrad = [&](size_t event) {
+      if (!t.wgrad_branch) return;
       check_cuda(cudaEventRecord(t.wgrad_fork[event], stream), "cudaEventRecord");
-      check_cuda(cudaStreamWaitEvent(branch, t.wgrad_fork[event], 0), "cudaStreamWaitEvent");
+      check_cuda(cudaStreamWaitEvent(m.side, t.wgrad_fork[event], 0), "cudaStreamWaitEvent");
     };
     for (size_t ii = nb; ii-- > 0;) {
       const auto& b = m.blocks[ii];
@@ -764,24 +747,23 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       const BlockProblems& bp = probs[ii];
       const std::string where = " (block '" + b.prefix + "')";
       const BlockConvs& c = convs[ii];
-      void* const se_ws = static_cast<uint8_t*>(t.scratch) + 3 * t.scratch_bytes + se_ws_offset[ii];
+      void* const se_ws = static_cast<uint8_t*>(t.scratch) + 2 * t.scratch_bytes + se_ws_offset[ii];
       check_cuda(kernels::launch_se_backward_data(se[ii], m.dtype, se_ws, stream), "squeeze-excite backward" + where);
-      fork_to(2 * ii, wstream);
+      fork_wgrad(2 * ii);
       // The squeeze-excite's parameter gradients and scalar sums: nothing else reads them either.
       check_cuda(kernels::launch_se_backward_params(se[ii], m.dtype, se_ws, wstream),
                  "squeeze-excite parameter gradients" + where);
       check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], wws, wsb, wstream),
                  "conv2 weight gradient (" + c.wgrad2.name() + ")" + where);
-      if (wstream1 != wstream) check_cuda(cudaEventRecord(t.wgrad2_done[ii], wstream), "cudaEventRecord");
       if (tb.fused_dgrad[ii]) {
         // d_pre = h > 0 ? scale * conv2^T(d_o) : 0, into [d_pre | dz], and the per-channel sums: one cuDNN graph.
         check_cuda(kernels::cudnn_fused_dgrad_mask(bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2),
                                                    fp(W.scalars) + kScale, tb.act.h[ii], tb.dcat[ii],
                                                    mask[ii].d_pre_pitch, tb.sums[ii], stream),
                    "conv2 data gradient with the ReLU mask (cuDNN graph)" + where);
-        fork_to(2 * ii + 1, wstream1);
+        fork_wgrad(2 * ii + 1);
         check_cuda(kernels::launch_sum_pair_finalize(tb.sums[ii], b.planes, mask[ii].sum_dh, mask[ii].sum_d_pre,
-                                                     wstream1),
+                                                     wstream),
                    "FixUp bias gradients" + where);
       } else {
         // dh2 / scale = conv2^T(d_o); the ReLU-mask backward applies the scale.
@@ -789,15 +771,13 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
                              tb.dh2[ii], ws, wsb, stream),
                    "conv2 data gradient (" + c.dgrad2.name() + ")" + where);
         check_cuda(kernels::launch_relu_mask_backward(mask[ii], m.dtype, ws, stream), "ReLU mask backward" + where);
-        fork_to(2 * ii + 1, wstream1);
+        fork_wgrad(2 * ii + 1);
       }
-      check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], wws1, wsb,
-                           wstream1),
+      check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], wws, wsb,
+                           wstream),
                  "conv1 weight gradient (" + c.wgrad1.name() + ")" + where);
-      // The block's finalize also folds conv2's weight gradient (g2, scale's dot product): after the other branch.
-      if (wstream1 != wstream) check_cuda(cudaStreamWaitEvent(wstream1, t.wgrad2_done[ii], 0), "cudaStreamWaitEvent");
       check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs + job_first[ii], job_first[ii + 1] - job_first[ii],
-                                               m.dtype, wws1, wstream1),
+                                               m.dtype, wws, wstream),
                  "gradient finalize" + where);
       // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one data gradient over the concatenated filters.
       check_cuda(run_dgrad(c.dgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], wp(W.conv1), wflip(W.conv1_flip),
@@ -811,13 +791,9 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       }
     }
     check_cuda(kernels::launch_stem_backward(sb, m.dtype, ws, stream), "stem backward");
-    if (branches) {  // join: the step ends when every weight gradient is final
+    if (t.wgrad_branch) {  // join: the step ends when every weight gradient is final
       check_cuda(cudaEventRecord(t.wgrad_join, m.side), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(stream, t.wgrad_join, 0), "cudaStreamWaitEvent");
-    }
-    if (branches == 2) {
-      check_cuda(cudaEventRecord(t.wgrad_join2, t.side2), "cudaEventRecord");
-      check_cuda(cudaStreamWaitEvent(stream, t.wgrad_join2, 0), "cudaStreamWaitEvent");
     }
   }, m.use_graphs);
 }
