@@ -23,6 +23,29 @@ void* cudnn_dlhandle = nullptr;
 
 namespace kfuse::kernels {
 
+namespace {
+// What the two graphs cover (checked before cuDNN or a GPU is asked); `pitch` is normalized (0: packed).
+bool covered(CudnnFusedOp op, const Conv2dProblem& p, int& pitch, std::string* why) {
+  auto refuse = [&](const std::string& reason) {
+    if (why) *why = reason;
+    return false;
+  };
+  if (p.n <= 0 || p.p() <= 0 || p.q() <= 0) return refuse("empty problem");
+  if (p.c % 8 || p.k % 8)
+    return refuse("channels must be multiples of 8 (C = " + std::to_string(p.c) + ", K = " + std::to_string(p.k) + ")");
+  if (op == CudnnFusedOp::kDgradMask) {
+    if (pitch == 0) pitch = p.c;
+    if (p.stride_h != 1 || p.stride_w != 1) return refuse("the fused data gradient is for stride-1 convolutions");
+    if (pitch < p.c || pitch % 8)
+      return refuse("the fused data gradient's row pitch (" + std::to_string(pitch) +
+                    ") must be a multiple of 8 and at least C = " + std::to_string(p.c));
+  } else {
+    pitch = 0;
+  }
+  return true;
+}
+}  // namespace
+
 #if KFUSE_HAVE_CUDNN_FRONTEND
 namespace {
 
@@ -252,19 +275,7 @@ cudaError_t run(CudnnFusedOp op, const Conv2dProblem& p, ConvDType dtype, int pi
 }  // namespace
 
 bool cudnn_fused_prepare(CudnnFusedOp op, const Conv2dProblem& p, ConvDType dtype, int pitch, std::string* why) {
-  if (op == CudnnFusedOp::kDgradMask) {
-    if (pitch == 0) pitch = p.c;
-    if (p.stride_h != 1 || p.stride_w != 1 || pitch < p.c) {
-      if (why) *why = "the fused data gradient is for stride-1 convolutions with pitch >= C";
-      return false;
-    }
-  } else {
-    pitch = 0;
-  }
-  if (p.p() <= 0 || p.q() <= 0 || p.c % 8 || p.k % 8) {
-    if (why) *why = "unsupported problem";
-    return false;
-  }
+  if (!covered(op, p, pitch, why)) return false;
   void* lib = cudnn_library();
   if (!lib) {
     std::string reason;
@@ -301,7 +312,8 @@ cudaError_t cudnn_fused_dgrad_mask(const Conv2dProblem& p, ConvDType dtype, cons
 
 #else  // built without cuDNN's graph API headers
 
-bool cudnn_fused_prepare(CudnnFusedOp, const Conv2dProblem&, ConvDType, int, std::string* why) {
+bool cudnn_fused_prepare(CudnnFusedOp op, const Conv2dProblem& p, ConvDType, int pitch, std::string* why) {
+  if (!covered(op, p, pitch, why)) return false;
   if (why) *why = "kfuse was built without cuDNN's graph API (cudnn_frontend.h)";
   return false;
 }
