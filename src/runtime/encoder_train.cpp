@@ -7,6 +7,8 @@
 //   conv2 wgrad (h2, d_o)   -> G2;  dW2 = scale * G2,  d scale = <W2, G2>
 //   conv2 dgrad             -> dh2 / scale = conv2^T(d_o)
 //   ReLU-mask backward      -> d_pre1 = scale * dh2 where relu was active, sum dh2 (b2a), sum d_pre1 (b1b)
+//   (where the tuner runs conv1 in cuDNN, the forward's conv1 + FixUp epilogue and these two steps are cuDNN graphs
+//   instead, kernels/conv/cudnn_fused.h: no separate memory-bound pass after either convolution)
 //   conv1 [+ shortcut]      -> the downsampling blocks keep [d_pre1 | dz] as one 2P-channel gradient and the two
 //                              filters as one [2P][3][3][Cin] filter (the shortcut is a 3x3 conv with Wd/9 taps), so
 //                              one wgrad and one strided dgrad serve both; identity blocks: conv1's dgrad plus dz
