@@ -84,6 +84,8 @@ fi
 export LD_LIBRARY_PATH="$root/build-gpu/full/src${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cudnn_lib=$("$py" -c 'import glob, os, nvidia; print(next((os.path.dirname(f) for d in nvidia.__path__ for f in glob.glob(d + "/**/libcudnn.so.9", recursive=True)), ""))' 2>/dev/null || true)
 [[ -n "$cudnn_lib" && -d "$cudnn_lib" ]] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$cudnn_lib"
+# cuDNN's graph frontend dlopens libcudart.so.12/.13 by name (the C++ binaries link the static runtime).
+[[ -d /usr/local/cuda/lib64 ]] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/lib64"
 
 # A fresh tuning cache per run: the tests tune their geometries on first use, `kfuse tune` retunes the benchmark's.
 export KFUSE_CACHE_DIR="$root/build-gpu/cache"

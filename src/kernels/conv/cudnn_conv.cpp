@@ -116,8 +116,9 @@ struct Descriptors {
 
 using ProblemKey = std::tuple<int, int, int, int, int, int, int, int, int, int, int, int>;
 
-// One lock for the handles and descriptor caches and around each call (a cuDNN handle is not thread-safe; the
-// calls only enqueue work, so the lock is held for microseconds).
+// One lock for the handles and descriptor caches and around each call (a cuDNN handle is not thread-safe). A launch
+// holds it for microseconds (the calls only enqueue work); cudnn_fused.cpp's first use of a graph holds it for the
+// seconds that building and timing its plans take, so other threads' cuDNN launches wait then.
 std::mutex& mutex() {
   static std::mutex m;
   return m;

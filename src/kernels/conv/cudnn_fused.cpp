@@ -1,5 +1,6 @@
 #include "kernels/conv/cudnn_fused.h"
 
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -76,9 +77,10 @@ std::mutex& mutex() {
   static std::mutex m;
   return m;
 }
+// Never destroyed: a graph's destructor calls into cuDNN, which may already be unloaded at static destruction.
 std::map<Key, Entry>& entries() {
-  static std::map<Key, Entry> e;
-  return e;
+  static auto* e = new std::map<Key, Entry>();
+  return *e;
 }
 
 std::shared_ptr<fe::graph::Graph> new_graph(ConvDType dtype) {
@@ -158,6 +160,25 @@ void build_dgrad_mask(fe::graph::Graph& g, const Conv2dProblem& p, int pitch) {
   sum(d_pre, kSumDpre);
 }
 
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() {
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) s = nullptr;
+  }
+  ~Stream() {
+    if (s) cudaStreamSynchronize(s), cudaStreamDestroy(s);
+  }
+};
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() {
+    if (cudaEventCreate(&e) != cudaSuccess) e = nullptr;
+  }
+  ~Event() {
+    if (e) cudaEventDestroy(e);
+  }
+};
+
 // Device buffers with random contents for timing the plans; freed with the object.
 struct Scratch {
   std::vector<void*> bufs;
@@ -179,43 +200,51 @@ struct Scratch {
   }
 };
 
-// Builds the graph, then times its first plans on random data and keeps the fastest (ties: the earlier).
-void prepare_locked(Entry& e, CudnnFusedOp op, const Conv2dProblem& p, ConvDType dtype, int pitch) {
+// Builds the graph, then times its first plans on random data and keeps the fastest (ties: the earlier). Returns
+// false when the failure may be transient (out of memory for the scratch tensors): the caller then does not cache it.
+bool prepare_locked(Entry& e, CudnnFusedOp op, const Conv2dProblem& p, ConvDType dtype, int pitch) {
   e.graph = new_graph(dtype);
   fe::graph::Graph& g = *e.graph;
   if (op == CudnnFusedOp::kConvRelu)
     build_conv_relu(g, p);
   else
     build_dgrad_mask(g, p, pitch);
-  cudaStream_t stream = nullptr;
-  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+  Stream stream;
+  if (!stream.s) {
     e.why = "cudaStreamCreate failed";
-    return;
+    cudaGetLastError();
+    return false;
   }
   const ValueType t = dtype == ConvDType::kF16 ? ValueType::kF16 : ValueType::kBF16;
   const size_t in = size_t(p.n) * p.h * p.w, out = size_t(p.n) * p.p() * p.q();
   Scratch s;
-  s.add(kW, size_t(p.k) * p.r * p.s * p.c, t, 0.05f, stream);
+  s.add(kW, size_t(p.k) * p.r * p.s * p.c, t, 0.05f, stream.s);
   if (op == CudnnFusedOp::kConvRelu) {
-    s.add(kX, in * p.c, t, 1.0f, stream);
-    s.add(kB1b, 1, ValueType::kF32, 0.1f, stream);
-    s.add(kB2a, 1, ValueType::kF32, 0.1f, stream);
-    s.add(kH, out * p.k, t, 1.0f, stream);
-    s.add(kH2, out * p.k, t, 1.0f, stream);
+    s.add(kX, in * p.c, t, 1.0f, stream.s);
+    s.add(kB1b, 1, ValueType::kF32, 0.1f, stream.s);
+    s.add(kB2a, 1, ValueType::kF32, 0.1f, stream.s);
+    s.add(kH, out * p.k, t, 1.0f, stream.s);
+    s.add(kH2, out * p.k, t, 1.0f, stream.s);
   } else {
-    s.add(kDy, out * p.k, t, 1.0f, stream);
-    s.add(kScale, 1, ValueType::kF32, 1.0f, stream);
-    s.add(kMaskSrc, in * p.c, t, 1.0f, stream);
-    s.add(kDpre, in * size_t(pitch), t, 1.0f, stream);
-    s.add(kSumDh, p.c, ValueType::kF32, 1.0f, stream);
-    s.add(kSumDpre, p.c, ValueType::kF32, 1.0f, stream);
+    s.add(kDy, out * p.k, t, 1.0f, stream.s);
+    s.add(kScale, 1, ValueType::kF32, 1.0f, stream.s);
+    s.add(kMaskSrc, in * p.c, t, 1.0f, stream.s);
+    s.add(kDpre, in * size_t(pitch), t, 1.0f, stream.s);
+    s.add(kSumDh, p.c, ValueType::kF32, 1.0f, stream.s);
+    s.add(kSumDpre, p.c, ValueType::kF32, 1.0f, stream.s);
   }
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  const bool events = cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess;
-  if (!s.ok || !events || cudaStreamSynchronize(stream) != cudaSuccess) {
+  Event e0, e1;
+  if (!s.ok || !e0.e || !e1.e || cudaStreamSynchronize(stream.s) != cudaSuccess) {
     e.why = "could not allocate the scratch tensors for tuning";
-  } else {
-    with_cudnn_handle(stream, [&](cudnnHandle_t handle) {
+    cudaGetLastError();
+    return false;
+  }
+  {
+    // The shared handle must not keep the tuning stream, which is destroyed on return (also when the frontend throws).
+    struct ResetHandleStream {
+      ~ResetHandleStream() { with_cudnn_handle(nullptr, [](cudnnHandle_t) { return true; }); }
+    } reset;
+    with_cudnn_handle(stream.s, [&](cudnnHandle_t handle) {
       auto status = g.validate();
       if (status.is_good()) status = g.build_operation_graph(handle);
       if (status.is_good()) status = g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
@@ -234,11 +263,11 @@ void prepare_locked(Entry& e, CudnnFusedOp op, const Conv2dProblem& p, ConvDType
         bool ok = true;
         for (int r = 0; r < 2 && ok; ++r) ok = g.execute_plan_at_index(handle, s.pack, nullptr, i).is_good();
         constexpr int kRuns = 10;
-        ok = ok && cudaEventRecord(e0, stream) == cudaSuccess;
+        ok = ok && cudaEventRecord(e0.e, stream.s) == cudaSuccess;
         for (int r = 0; r < kRuns && ok; ++r) ok = g.execute_plan_at_index(handle, s.pack, nullptr, i).is_good();
-        ok = ok && cudaEventRecord(e1, stream) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess;
+        ok = ok && cudaEventRecord(e1.e, stream.s) == cudaSuccess && cudaEventSynchronize(e1.e) == cudaSuccess;
         float ms = 0.f;
-        if (!ok || cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) {
+        if (!ok || cudaEventElapsedTime(&ms, e0.e, e1.e) != cudaSuccess) {
           cudaGetLastError();
           continue;
         }
@@ -249,10 +278,9 @@ void prepare_locked(Entry& e, CudnnFusedOp op, const Conv2dProblem& p, ConvDType
     });
     if (e.plan < 0 && e.why.empty()) e.why = "cuDNN is unavailable";
   }
-  if (e0) cudaEventDestroy(e0);
-  if (e1) cudaEventDestroy(e1);
-  cudaStreamSynchronize(stream);
-  cudaStreamDestroy(stream);
+  cudaStreamSynchronize(stream.s);
+  cudaGetLastError();  // a failed plan's launch error must not surface in the caller's next CUDA call
+  return true;
 }
 
 cudaError_t run(CudnnFusedOp op, const Conv2dProblem& p, ConvDType dtype, int pitch,
@@ -267,7 +295,11 @@ cudaError_t run(CudnnFusedOp op, const Conv2dProblem& p, ConvDType dtype, int pi
   for (const auto& [uid, ptr] : pack)
     if (!ptr) return cudaErrorInvalidValue;
   const bool ok = with_cudnn_handle(stream, [&](cudnnHandle_t handle) {
-    return e->graph->execute_plan_at_index(handle, pack, nullptr, e->plan).is_good();
+    try {  // the frontend reports some failures as exceptions (a backend entry point it cannot resolve)
+      return e->graph->execute_plan_at_index(handle, pack, nullptr, e->plan).is_good();
+    } catch (const std::exception&) {
+      return false;
+    }
   });
   return ok ? cudaGetLastError() : cudaErrorNotSupported;
 }
@@ -286,7 +318,23 @@ bool cudnn_fused_prepare(CudnnFusedOp op, const Conv2dProblem& p, ConvDType dtyp
   std::lock_guard<std::mutex> lock(mutex());
   fe::cudnn_dlhandle = lib;
   auto [it, inserted] = entries().try_emplace(key_of(op, p, dtype, pitch));
-  if (inserted) prepare_locked(it->second, op, p, dtype, pitch);
+  if (inserted) {
+    Entry& e = it->second;
+    bool keep = true;
+    try {
+      keep = prepare_locked(e, op, p, dtype, pitch);
+    } catch (const std::exception& ex) {  // the frontend throws for some failures (a library it cannot load)
+      e.plan = -1;
+      e.why = std::string("cuDNN frontend: ") + ex.what();
+      cudaGetLastError();
+    }
+    if (!keep) {  // transient (out of memory): not remembered, the next call tries again
+      const std::string reason = e.why;
+      entries().erase(it);
+      if (why) *why = reason;
+      return false;
+    }
+  }
   if (why) *why = it->second.why;
   return it->second.plan >= 0;
 }

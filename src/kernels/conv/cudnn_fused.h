@@ -12,6 +12,11 @@
 // replayed after the optimizer changed them. Same problem convention as cudnn_conv.h (the FORWARD problem p, NHWC,
 // KRSC filters, fp16 or bf16 with fp32 accumulation). The data gradient is for stride 1 only.
 //
+// The sums are cuDNN's fused reductions, which may add partial sums in a run-dependent order (atomics): d b2a and
+// d b1b can differ in the last bits from step to step (the training step is not bit-reproducible; inference never
+// uses these graphs). Reduction_attributes::set_is_deterministic would ask for a fixed order; not set, because it
+// is untested whether the runtime-fusion engines still support the graph then.
+//
 // cuDNN compiles these kernels at run time (NVRTC, ~0.5 s per candidate plan): cudnn_fused_prepare builds the graph,
 // times its first few plans on scratch data and keeps the fastest, once per (op, problem, dtype, pitch) and process.
 // It must not run inside a stream capture; the launches may.
