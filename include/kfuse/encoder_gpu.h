@@ -107,10 +107,6 @@ class EncoderGpu {
   // {0, 0} before it. KFUSE_CUDNN_FUSED (read when the training state is created) chooses: 1 where the tuner runs
   // conv1 in cuDNN, all, or 0.
   std::pair<int, int> cudnn_fused_count(int n, int h, int w) const;
-  // Images per chunk of the training forward's stem and first blocks at that geometry (0: the whole batch at once),
-  // as decided at its first forward_train. KFUSE_TRAIN_CHUNK=<images>[:<blocks>] (read when the training state is
-  // created) asks for chunks; the batch must be a multiple of the chunk.
-  int train_chunk(int n, int h, int w) const;
 
   struct Impl;  // opaque (src/runtime/encoder_gpu_impl.h)
 

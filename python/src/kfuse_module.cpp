@@ -385,9 +385,7 @@ NB_MODULE(_C, m) {
            "How many blocks of the inference forward on h x w inputs run as one fused kernel each")
       .def("cudnn_fused_count", &EncoderGpu::cudnn_fused_count, "n"_a, "h"_a, "w"_a,
            "(blocks whose conv1 + FixUp epilogue, blocks whose conv2 data gradient + ReLU mask) run as cuDNN graphs "
-           "in the training step of that geometry")
-      .def("train_chunk", &EncoderGpu::train_chunk, "n"_a, "h"_a, "w"_a,
-           "Images per chunk of the training forward's first blocks at that geometry (0: not chunked)");;
+           "in the training step of that geometry");
 #endif
 
   bind_mlp(m);

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdint>
 #include <cstring>
 
 #include <map>
@@ -159,12 +158,6 @@ struct Activations {
   // (kernels/conv/cudnn_fused.h) that writes h = relu(conv1 + b1b) here beside h2 = h + b2a, and the backward's
   // ReLU mask is h > 0 (rather than h2 > b2a, which needs the CUTLASS epilogue's faithful rounding of h2).
   std::vector<void*> h;
-};
-
-// Which part of the forward a launch enqueues: the stem (when `stem`) and blocks [first, last).
-struct BlockRange {
-  bool stem = true;
-  size_t first = 0, last = SIZE_MAX;
 };
 
 // The launch sequence of one geometry, captured once.
@@ -529,19 +522,15 @@ struct EncoderGpu::Impl {
   // launches early and waits on the device (the kernels keep the contract of kernels/programmatic_launch.h). Not the
   // shortcut, which starts a side branch from an event, nor the squeeze-excite that joins it: a programmatic edge
   // joins one kernel to the next in a stream, and an event wait has no kernel of its own.
-  // `range` limits it to the stem (when range.stem) and blocks [range.first, range.last): the training forward runs
-  // the early blocks per chunk of images (encoder_train.cpp: forward_train).
   void launch(const Geometry& g, Activations& act, const kernels::StemArgs& stem_args,
-              kernels::SqueezeExciteArgs tail, cudaStream_t stream, CapturedEnds* ends = nullptr,
-              BlockRange range = BlockRange{}) {
-    if (range.stem) check_cuda(kernels::launch_stem(stem_args, dtype, stream), "stem kernel");
+              kernels::SqueezeExciteArgs tail, cudaStream_t stream, CapturedEnds* ends = nullptr) {
+    check_cuda(kernels::launch_stem(stem_args, dtype, stream), "stem kernel");
     if (ends) ends->stem = last_captured_node(stream);
     const bool fused_cudnn = std::any_of(act.h.begin(), act.h.end(), [](void* p) { return p != nullptr; });
     const bool chain = use_pdl && !any_cudnn(g) && !fused_cudnn;
     kernels::PdlScope programmatic(chain);
     int h = g.h / 4, w = g.w / 4;
-    for (size_t i = 0; i < range.first && i < blocks.size(); ++i) h /= blocks[i].stride, w /= blocks[i].stride;
-    for (size_t i = range.first; i < blocks.size() && i < range.last; ++i) {
+    for (size_t i = 0; i < blocks.size(); ++i) {
       const auto& b = blocks[i];
       const BlockWeights& W = bw[i];
       const float* s = fptr(W.scalars);

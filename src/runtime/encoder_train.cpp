@@ -23,7 +23,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
-#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -55,8 +54,6 @@ struct TrainBuffers {
   // A device 0.0f: the ReLU-mask kernel's threshold where it reads h instead of h2 (set when the buffers are made,
   // so that no backward allocates or writes outside its stream).
   float* zero = nullptr;
-  // Images per chunk of the forward's stem and first TrainingState::chunk_blocks blocks (0: the whole batch at once).
-  int chunk = 0;
   uint64_t stash = 0;                            // id of the forward whose values the buffers hold (0: none)
   DType y_dtype = DType::F32;
 };
@@ -90,11 +87,6 @@ struct TrainingState {
   // KFUSE_CUDNN_FUSED=1 (default) where the tuner runs conv1 in cuDNN anyway (it would pay a separate epilogue pass),
   // "all" in every block that cuDNN supports (for tests), 0 never (the A/B switch; PERF.md session 16).
   enum class CudnnFused { kOff, kWhereCudnn, kAll } cudnn_fused = CudnnFused::kWhereCudnn;
-  // The training forward's stem and first `chunk_blocks` blocks run per chunk of `chunk_images` images, so that each
-  // kernel's input, written by the kernel before, is still in L2 (a 64 x 16 x 16 fp16 tensor is 67 MB at batch 2048,
-  // 8 MB per 256 images; L2 holds 50 MB). KFUSE_TRAIN_CHUNK=<images>[:<blocks>] (0: off).
-  int chunk_images = 0;
-  int chunk_blocks = 1;
   // Backward convolution choices per shape (conv_shape_key of the forward problem): the tuner's, else the heuristic.
   std::map<std::string, WgradChoice> wgrad_choice;
   std::map<std::string, DgradChoice> dgrad_choice;
@@ -152,23 +144,6 @@ TrainingState& training(EncoderGpu::Impl& m) {
                   "'");
       t.cudnn_fused = f == "0" ? TrainingState::CudnnFused::kOff
                                : f == "1" ? TrainingState::CudnnFused::kWhereCudnn : TrainingState::CudnnFused::kAll;
-    }
-    if (const char* v = std::getenv("KFUSE_TRAIN_CHUNK"); v && *v) {
-      const std::string c = v;
-      int images = -1, nblocks = 1;
-      const size_t colon = c.find(':');
-      try {
-        size_t used = 0;
-        images = std::stoi(c.substr(0, colon), &used);
-        if (used != c.substr(0, colon).size()) images = -1;
-        if (colon != std::string::npos) nblocks = std::stoi(c.substr(colon + 1));
-      } catch (const std::exception&) {
-        images = -1;
-      }
-      KFUSE_CHECK(images >= 0 && nblocks >= 1, InvalidArgument,
-                  "KFUSE_TRAIN_CHUNK must be <images per chunk>[:<blocks chunked>] (0: off), got '", c, "'");
-      t.chunk_images = images;
-      t.chunk_blocks = nblocks;
     }
     int64_t off = 0;
     const auto specs = m.config.parameter_specs();
@@ -323,73 +298,11 @@ void choose_cudnn_fused(const EncoderGpu::Impl& m, const TrainingState& t, const
   }
 }
 
-// The chunk geometry's problems, when the training forward runs in chunks at g (TrainingState::chunk_images), else
-// nothing. Tuned and sized before any capture (forward_train).
-std::optional<Geometry> chunk_geometry(const EncoderGpu::Impl& m, const TrainingState& t, const Geometry& g) {
-  const int c = t.chunk_images;
-  if (c <= 0 || g.n <= c || g.n % c != 0 || m.blocks.size() < 2) return std::nullopt;
-  return Geometry{c, g.h, g.w};
-}
-
-// Images per chunk at g (0: none). Where conv1 of a chunked block runs as a cuDNN graph at g, the chunk's problem
-// needs that graph too (the backward's mask is h > 0 then); no chunks if cuDNN cannot build it.
-int chunk_for(const EncoderGpu::Impl& m, const TrainingState& t, const Geometry& g, cudaStream_t stream,
-              const std::vector<char>& fused_fwd) {
-  const std::optional<Geometry> gc = chunk_geometry(m, t, g);
-  if (!gc) return 0;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-  if (capture != cudaStreamCaptureStatusNone) return 0;
-  const std::vector<BlockProblems> probs = geometry_problems(m, *gc);
-  for (size_t i = 0; i < probs.size() && int(i) < t.chunk_blocks; ++i)
-    if (fused_fwd[i] && !kernels::cudnn_fused_prepare(kernels::CudnnFusedOp::kConvRelu, probs[i].conv1, m.dtype))
-      return 0;
-  return gc->n;
-}
-
-// The views of images [first, first + count) of the training forward's buffers (NHWC, images outermost) and of its
-// input: what one chunk's launches read and write.
-Activations slice_images(const EncoderGpu::Impl& m, const Activations& act, const Geometry& g, int first) {
-  Activations s = act;
-  const size_t es = 2;
-  auto at = [&](void* p, size_t per_image) {
-    return p ? static_cast<void*>(static_cast<uint8_t*>(p) + es * per_image * size_t(first)) : nullptr;
-  };
-  int h = g.h / 4, w = g.w / 4;
-  s.x0 = at(act.x0, size_t(h) * w * m.config.base_planes);
-  for (size_t i = 0; i < m.blocks.size(); ++i) {
-    const auto& b = m.blocks[i];
-    const size_t in = size_t(h) * w * b.in_planes;
-    const size_t out = size_t(h / b.stride) * (w / b.stride) * b.planes;
-    s.a[i] = at(act.a[i], in);
-    s.x[i] = at(act.x[i], in);
-    s.h2[i] = at(act.h2[i], out);
-    s.o[i] = at(act.o[i], out);
-    s.idt[i] = at(act.idt[i], out);
-    if (i < act.y.size()) s.y[i] = at(act.y[i], out);
-    if (i < act.h.size()) s.h[i] = at(act.h[i], out);
-    h /= b.stride;
-    w /= b.stride;
-  }
-  return s;
-}
-
-kernels::StemArgs slice_stem(const kernels::StemArgs& stem, const Activations& chunk, int first, int count) {
-  kernels::StemArgs s = stem;
-  const size_t es = stem.x_dtype == kernels::InputDType::kF32 ? 4 : stem.x_dtype == kernels::InputDType::kU8 ? 1 : 2;
-  s.x = static_cast<const uint8_t*>(stem.x) + es * size_t(stem.stride_n) * size_t(first);
-  s.n = count;
-  s.x0 = chunk.x0;
-  s.a0 = chunk.a[0];
-  return s;
-}
-
 TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g, cudaStream_t stream) {
   auto it = t.buffers.find(g);
   if (it != t.buffers.end()) return it->second;
   std::vector<char> fused_fwd, fused_bwd;
   choose_cudnn_fused(m, t, g, stream, fused_fwd, fused_bwd);
-  const int chunk = chunk_for(m, t, g, stream, fused_fwd);
   size_t total = 0;
   auto take = [&](size_t bytes) {
     const size_t off = total;
@@ -438,7 +351,6 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
   tb.act.conv2_raw = true;
   tb.act.training = true;
   tb.act.x0 = at(x0);
-  tb.chunk = chunk;
   tb.zero = static_cast<float*>(at(zero));
   check_cuda(cudaMemsetAsync(tb.zero, 0, sizeof(float), stream), "cudaMemsetAsync (training buffers)");
   for (size_t i = 0; i < offs.size(); ++i) {
@@ -545,10 +457,6 @@ uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensor
   Impl::Device scope(m.device);
   m.tune_on_first_use(g, stream);
   tune_backward_on_first_use(m, t, g, stream);
-  if (const std::optional<Geometry> gc = chunk_geometry(m, t, g)) {
-    m.tune_on_first_use(*gc, stream);
-    m.ensure_workspace(*gc);
-  }
   m.ensure_workspace(g);
   TrainBuffers& tb = train_buffers(m, t, g, stream);
   const kernels::StemArgs stem = m.stem_args(x, tb.act);
@@ -559,21 +467,7 @@ uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensor
                             reinterpret_cast<int64_t>(y.data), int64_t(y.dtype)};
   key.insert(key.end(), x.strides.begin(), x.strides.end());
   tb.stash = 0;  // the previous forward's saved state is being overwritten: its backward must not run on it
-  m.train_graphs.run(
-      key, stream,
-      [&](cudaStream_t s) {
-        if (tb.chunk == 0) return m.launch(g, tb.act, stem, tail, s);
-        // The stem and the first blocks per chunk of images, then the rest on the whole batch. The chunk's last
-        // squeeze-excite writes the next block's input slice; the tail (the network's output) is never chunked.
-        const Geometry gc{tb.chunk, g.h, g.w};
-        const size_t nchunked = std::min<size_t>(t.chunk_blocks, m.blocks.size() - 1);
-        for (int first = 0; first < g.n; first += tb.chunk) {
-          Activations ac = slice_images(m, tb.act, g, first);
-          m.launch(gc, ac, slice_stem(stem, ac, first, tb.chunk), tail, s, nullptr, {true, 0, nchunked});
-        }
-        m.launch(g, tb.act, stem, tail, s, nullptr, {false, nchunked, SIZE_MAX});
-      },
-      m.use_graphs);
+  m.train_graphs.run(key, stream, [&](cudaStream_t s) { m.launch(g, tb.act, stem, tail, s); }, m.use_graphs);
   tb.stash = t.next_stash++;
   tb.y_dtype = y.dtype;
   return tb.stash;
@@ -601,13 +495,6 @@ std::pair<int, int> EncoderGpu::cudnn_fused_count(int n, int h, int w) const {
     bwd += it->second.fused_dgrad[i] != 0;
   }
   return {fwd, bwd};
-}
-
-int EncoderGpu::train_chunk(int n, int h, int w) const {
-  const Impl& m = *impl_;
-  if (!m.training) return 0;
-  const auto it = m.training->buffers.find(Geometry{n, h, w});
-  return it == m.training->buffers.end() ? 0 : it->second.chunk;
 }
 
 bool EncoderGpu::stash_valid(uint64_t stash) const {

@@ -160,26 +160,6 @@ def test_cudnn_graph_epilogues_match_float64_reference(make_reference, monkeypat
     assert_grads_close(g, g_ref, torch_mixed_grads(ref, x, dy, precision, realizations=3))
 
 
-@pytest.mark.parametrize("chunk", ["8:1", "8:3"])
-def test_chunked_training_forward_matches_float64_reference(make_reference, monkeypatch, chunk):
-    """KFUSE_TRAIN_CHUNK: the training forward's stem and first blocks run per chunk of 8 images (views into the
-    batch's buffers), the rest on the whole batch of 32. The engine must report the chunks;
-    output and gradients are held to the float64 oracle as in the tests above."""
-    monkeypatch.setenv("KFUSE_TRAIN_CHUNK", chunk)  # read when the engine's training state is created
-    c, n, seed = 3, 32, 2700 + int(chunk[-1])
-    ref = make_reference(in_channels=c, seed=seed)
-    enc = kfuse.ResNetEncoder.from_torch(ref).cuda().train()
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.rand(n, c, 64, 64, generator=gen)
-    dy = away_from_kinks(ref, x, loss_gradient(n, gen))
-    y_ref, g_ref, _ = reference_grads(ref, x, dy)
-    y, g, _ = kfuse_grads(enc, x.cuda(), dy.cuda())
-    gpu = next(iter(enc._gpu_engines.values()))[0]
-    assert gpu.train_chunk(n, 64, 64) == 8
-    assert rel_err(y, y_ref) <= 1e-2
-    assert_grads_close(g, g_ref, torch_mixed_grads(ref, x, dy, torch.float16, realizations=3))
-
-
 def test_gradients_at_training_batch(make_reference):
     """Batch 2048 (the training workload). The oracle is float32 PyTorch with TF32 off: its own error (~1e-6) is far
     below the tolerance, and float64 convolutions of this size take minutes."""
