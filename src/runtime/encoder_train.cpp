@@ -28,7 +28,6 @@
 
 #include "kernels/conv/conv_backward.h"
 #include "kernels/conv/cudnn_fused.h"
-#include "kernels/conv/dense_conv.h"
 #include "kernels/encoder/backward_kernels.h"
 #include "kernels/encoder/weight_layout.h"
 #include "kfuse/encoder_gpu.h"
@@ -46,8 +45,7 @@ using kernels::ParamDType;
 struct TrainBuffers {
   void* base = nullptr;
   Activations act;                               // forward: x0, a, h2, o (raw: conv2_raw), y (stash), idt (scratch)
-  std::vector<void*> d_o, dh2, d_pre, dz, dx;    // per block
-  std::vector<void*> dpool;                      // per block with a strided shortcut: dz Wd / 9 on the pooled grid
+  std::vector<void*> d_o, dh2, dcat, dz, dx;     // per block; dz only for identity blocks (else inside dcat)
   std::vector<float*> g1, g2;                    // KRSC weight-gradient sums (fp32, or T): conv1 [+ shortcut], conv2
   // Blocks whose forward runs conv1 as a cuDNN graph (act.h non-null): where fused_dgrad, conv2's data gradient and
   // the ReLU-mask backward are one cuDNN graph too, whose per-channel sums (2 x P floats) land in sums.
@@ -202,17 +200,19 @@ void ensure_wgrad_events(TrainingState& t, size_t blocks) {
 }
 
 // Problems of block b whose input is n x h x w (forward conventions of conv_backward.h).
-// A strided shortcut (3x3 average pool, then 1x1: the forward runs it as the 3x3 stride-2 conv with Wd / 9 taps) has
-// conv1's problem too: its weight gradient is conv1's shape on dz; its data gradient is the 1x1 GEMM dz Wd / 9 on
-// the pooled grid, whose pool transpose the previous block's squeeze-excite backward adds to its dy.
 struct BlockProblems {
   Conv2dProblem conv1;      // a -> h2 (k = P)
+  Conv2dProblem conv1_cat;  // a -> [conv1 | shortcut] (k = 2P for downsampling blocks, else = conv1)
   Conv2dProblem conv2;      // h2 -> o
+  Conv2dProblem conv1_dgrad_fwd;  // identity blocks: dcat (P) -> da (Cin) as a forward conv with flipped filters
 };
 BlockProblems block_problems(const EncoderConfig::Block& b, int n, int h, int w) {
   BlockProblems bp;
   bp.conv1 = Conv2dProblem{n, h, w, b.in_planes, b.planes, 3, 3, 1, 1, b.stride, b.stride};
+  bp.conv1_cat = bp.conv1;
+  if (b.has_downsample) bp.conv1_cat.k = 2 * b.planes;
   bp.conv2 = Conv2dProblem{n, h / b.stride, w / b.stride, b.planes, b.planes, 3, 3, 1, 1, 1, 1};
+  bp.conv1_dgrad_fwd = Conv2dProblem{n, h, w, b.planes, b.in_planes, 3, 3, 1, 1, 1, 1};
   return bp;
 }
 
@@ -238,8 +238,8 @@ DgradChoice dgrad_for(const EncoderGpu::Impl& m, const TrainingState& t, const C
                                     : dgrad_heuristic(p, m.dtype, m.choose(flipped_forward_problem(p), false));
 }
 
-// Tunes geometry g's backward convolutions (per block the weight and data gradients of conv2 and conv1, whose shape
-// the strided shortcut's weight gradient shares), appending one report row per op.
+// Tunes geometry g's backward convolutions (per block the weight gradients of conv2 and conv1 [+ shortcut] and the
+// data gradients of both), appending one report row per op.
 void tune_backward(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g, TuningMode mode,
                    const EncoderGpu::TuneProgress& progress, std::vector<OpTuningReport>& rows) {
   if (!t.tuning_scratch) t.tuning_scratch = std::make_unique<BackwardConvTuningScratch>();
@@ -247,7 +247,7 @@ void tune_backward(EncoderGpu::Impl& m, TrainingState& t, const Geometry& g, Tun
   const std::vector<BlockProblems> probs = geometry_problems(m, g);
   const size_t total = rows.size() + 4 * probs.size();
   for (const BlockProblems& bp : probs) {
-    for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1}) {
+    for (const Conv2dProblem* p : {&bp.conv2, &bp.conv1_cat}) {
       OpTuningReport row;
       t.wgrad_choice[conv_shape_key(*p)] = t.tuning_scratch->tune_wgrad(*p, m.dtype, *m.tuning_cache, mode, row);
       rows.push_back(row);
@@ -293,7 +293,8 @@ void choose_cudnn_fused(const EncoderGpu::Impl& m, const TrainingState& t, const
     const DgradChoice d2 = dgrad_for(m, t, bp.conv2);
     const bool dense = d2.kind == DgradChoice::Kind::kFlippedForward && d2.fprop.dense;
     bwd[i] = fwd[i] && !dense &&
-             kernels::cudnn_fused_prepare(kernels::CudnnFusedOp::kDgradMask, bp.conv2, m.dtype, b.planes);
+             kernels::cudnn_fused_prepare(kernels::CudnnFusedOp::kDgradMask, bp.conv2, m.dtype,
+                                          b.has_downsample ? 2 * b.planes : b.planes);
   }
 }
 
@@ -310,7 +311,7 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
   };
   const size_t es = 2;
   struct Offs {
-    size_t a, h2, o, y, idt, d_o, dh2, d_pre, dz, dpool, dx, g1, g2, h, sums;
+    size_t a, h2, o, y, idt, d_o, dh2, dcat, dz, dx, g1, g2, h, sums;
   };
   int h = g.h / 4, w = g.w / 4;
   const size_t zero = take(sizeof(float));
@@ -329,9 +330,8 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
     o.idt = b.has_downsample ? take(es * out) : kNone;
     o.d_o = take(es * out);
     o.dh2 = take(es * out);
-    o.d_pre = take(es * out);
-    o.dz = take(es * out);
-    o.dpool = b.has_downsample ? take(es * size_t(g.n) * ((h + 1) / 2) * ((w + 1) / 2) * b.in_planes) : kNone;
+    o.dcat = take(es * out * (b.has_downsample ? 2 : 1));
+    o.dz = b.has_downsample ? kNone : take(es * out);
     o.dx = take(es * in);
     o.g1 = take(4 * size_t(b.has_downsample ? 2 : 1) * b.planes * 9 * b.in_planes);
     o.g2 = take(4 * size_t(b.planes) * 9 * b.planes);
@@ -364,8 +364,7 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
     tb.act.x.push_back(m.blocks[i].has_downsample ? nullptr : (i == 0 ? tb.act.x0 : at(offs[i - 1].y)));
     tb.d_o.push_back(at(o.d_o));
     tb.dh2.push_back(at(o.dh2));
-    tb.d_pre.push_back(at(o.d_pre));
-    tb.dpool.push_back(at(o.dpool));
+    tb.dcat.push_back(at(o.dcat));
     tb.dz.push_back(at(o.dz));
     tb.dx.push_back(at(o.dx));
     tb.g1.push_back(static_cast<float*>(at(o.g1)));
@@ -548,7 +547,7 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
   // launches on one stream use it one at a time).
   const std::vector<BlockProblems> probs = geometry_problems(m, g);
   struct BlockConvs {
-    WgradChoice wgrad2, wgrad1;  // conv2; conv1 (and the strided shortcut: the same shape)
+    WgradChoice wgrad2, wgrad1;  // conv2; conv1 [+ shortcut]
     DgradChoice dgrad2, dgrad1;
   };
   std::vector<BlockConvs> convs(nb);
@@ -556,15 +555,15 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
     const BlockProblems& bp = probs[i];
     BlockConvs& c = convs[i];
     c.wgrad2 = wgrad_for(m, t, bp.conv2);
-    c.wgrad1 = wgrad_for(m, t, bp.conv1);
+    c.wgrad1 = wgrad_for(m, t, bp.conv1_cat);
     c.dgrad2 = dgrad_for(m, t, bp.conv2);
-    c.dgrad1 = dgrad_for(m, t, bp.conv1);
+    c.dgrad1 = dgrad_for(m, t, bp.conv1_cat);
     KFUSE_CHECK(wgrad_can_implement(c.wgrad2, bp.conv2, m.dtype) &&
-                    wgrad_can_implement(c.wgrad1, bp.conv1, m.dtype),
+                    wgrad_can_implement(c.wgrad1, bp.conv1_cat, m.dtype),
                 InvalidArgument, "kfuse: the weight-gradient kernels cannot run block '", m.blocks[i].prefix,
                 "' at this size");
     KFUSE_CHECK(dgrad_can_implement(c.dgrad2, bp.conv2, m.dtype) &&
-                    dgrad_can_implement(c.dgrad1, bp.conv1, m.dtype),
+                    dgrad_can_implement(c.dgrad1, bp.conv1_cat, m.dtype),
                 InvalidArgument, "kfuse: the data-gradient kernels cannot run block '", m.blocks[i].prefix,
                 "' at this size");
   }
@@ -601,12 +600,8 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       s.n = g.n, s.hw = ho * wo, s.p = b.planes, s.hidden = b.se_hidden;
       s.w1 = fp(W.fc1_w), s.b1 = fp(W.fc1_b), s.w2 = fp(W.fc2_w), s.b2 = fp(W.fc2_b);
       s.d_o = tb.d_o[i];
-      s.dz = tb.dz[i];
-      s.dz_pitch = b.planes;
-      if (!last && m.blocks[i + 1].has_downsample) {  // the next block's shortcut gradient, on its pooled grid
-        s.dy_pool = tb.dpool[i + 1];
-        s.img_w = wo;
-      }
+      s.dz = b.has_downsample ? static_cast<uint8_t*>(tb.dcat[i]) + 2 * b.planes : tb.dz[i];
+      s.dz_pitch = b.has_downsample ? 2 * b.planes : b.planes;
       s.dw1 = grad(b.prefix + "se.excite.0.weight");
       s.db1 = grad(b.prefix + "se.excite.0.bias");
       s.dw2 = grad(b.prefix + "se.excite.2.weight");
@@ -628,8 +623,8 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       r.scale = fp(W.scalars) + kScale;  // the data gradient below leaves conv2's scale out
       r.pixels = int64_t(g.n) * ho * wo;
       r.c = b.planes;
-      r.d_pre = tb.d_pre[i];
-      r.d_pre_pitch = b.planes;
+      r.d_pre = tb.dcat[i];
+      r.d_pre_pitch = b.has_downsample ? 2 * b.planes : b.planes;
       r.sum_dh = grad(b.prefix + "fixup_bias2a");
       r.sum_d_pre = grad(b.prefix + "fixup_bias1b");
       scratch = std::max(scratch, kernels::relu_mask_backward_workspace_bytes(r));
@@ -637,10 +632,9 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       const BlockProblems& bp = probs[i];
       const BlockConvs& c = convs[i];
       scratch = std::max({scratch, wgrad_workspace_bytes(c.wgrad2, bp.conv2, m.dtype),
-                          wgrad_workspace_bytes(c.wgrad1, bp.conv1, m.dtype),
+                          wgrad_workspace_bytes(c.wgrad1, bp.conv1_cat, m.dtype),
                           dgrad_workspace_bytes(c.dgrad2, bp.conv2, m.dtype),
-                          dgrad_workspace_bytes(c.dgrad1, bp.conv1, m.dtype)});
-      if (b.has_downsample) scratch = std::max(scratch, kernels::pointwise_dgrad_workspace_bytes());
+                          dgrad_workspace_bytes(c.dgrad1, bp.conv1_cat, m.dtype)});
       if (!b.has_downsample && i > 0)
         scratch = std::max(scratch, kernels::add_and_sum_workspace_bytes(int64_t(g.n) * h * w * b.in_planes));
       h = ho;
@@ -764,9 +758,9 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
       check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], wws, wsb, wstream),
                  "conv2 weight gradient (" + c.wgrad2.name() + ")" + where);
       if (tb.fused_dgrad[ii]) {
-        // d_pre = h > 0 ? scale * conv2^T(d_o) : 0 and the per-channel sums: one cuDNN graph.
+        // d_pre = h > 0 ? scale * conv2^T(d_o) : 0, into [d_pre | dz], and the per-channel sums: one cuDNN graph.
         check_cuda(kernels::cudnn_fused_dgrad_mask(bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2),
-                                                   fp(W.scalars) + kScale, tb.act.h[ii], tb.d_pre[ii],
+                                                   fp(W.scalars) + kScale, tb.act.h[ii], tb.dcat[ii],
                                                    mask[ii].d_pre_pitch, tb.sums[ii], stream),
                    "conv2 data gradient with the ReLU mask (cuDNN graph)" + where);
         fork_wgrad(2 * ii + 1);
@@ -781,32 +775,16 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
         check_cuda(kernels::launch_relu_mask_backward(mask[ii], m.dtype, ws, stream), "ReLU mask backward" + where);
         fork_wgrad(2 * ii + 1);
       }
-      check_cuda(run_wgrad(c.wgrad1, bp.conv1, m.dtype, tb.d_pre[ii], tb.act.a[ii], tb.g1[ii], wws, wsb, wstream),
+      check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], wws, wsb,
+                           wstream),
                  "conv1 weight gradient (" + c.wgrad1.name() + ")" + where);
-      if (b.has_downsample) {  // the shortcut's 3x3 / 9 taps, after conv1's in g1 (KRSC: [conv1 | shortcut] rows)
-        void* const g_sc = static_cast<uint8_t*>(static_cast<void*>(tb.g1[ii])) +
-                           size_t(b.planes) * 9 * b.in_planes * (c.wgrad1.writes_t() ? 2 : 4);
-        check_cuda(run_wgrad(c.wgrad1, bp.conv1, m.dtype, tb.dz[ii], tb.act.a[ii], static_cast<float*>(g_sc), wws,
-                             wsb, wstream),
-                   "shortcut weight gradient (" + c.wgrad1.name() + ")" + where);
-      }
       check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs + job_first[ii], job_first[ii + 1] - job_first[ii],
                                                m.dtype, wws, wstream),
                  "gradient finalize" + where);
-      // d a = conv1^T(d_pre1) (+ the shortcut's, which the previous block's squeeze-excite backward adds from dpool).
-      check_cuda(run_dgrad(c.dgrad1, bp.conv1, m.dtype, tb.d_pre[ii], wp(W.conv1), wflip(W.conv1_flip), tb.dx[ii],
-                           ws, wsb, stream),
+      // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one data gradient over the concatenated filters.
+      check_cuda(run_dgrad(c.dgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], wp(W.conv1), wflip(W.conv1_flip),
+                           tb.dx[ii], ws, wsb, stream),
                  "conv1 data gradient (" + c.dgrad1.name() + ")" + where);
-      if (b.has_downsample) {  // the 1x1 on the pooled grid: dpool = dz Wd / 9 (tap 0 of the packed 3x3 / 9 filter)
-        check_cuda(kernels::pointwise_dgrad(m.dtype, int64_t(bp.conv1.n) * bp.conv1.p() * bp.conv1.q(), b.planes,
-                                            b.in_planes, tb.dz[ii], wp(W.shortcut), int64_t(9) * b.in_planes,
-                                            tb.dpool[ii], ws, wsb, stream),
-                   "shortcut data gradient (1x1 GEMM)" + where);
-        if (ii == 0)  // no squeeze-excite backward before it: the stem's da gets the pool transpose here
-          check_cuda(kernels::launch_add_pool_transpose(tb.dx[0], tb.dpool[0], bp.conv1.n, bp.conv1.h, bp.conv1.w,
-                                                        b.in_planes, m.dtype, stream),
-                     "shortcut data gradient (pool transpose)" + where);
-      }
       if (!b.has_downsample && ii > 0) {  // dx = d a + dz; d b1a = sum of d a (block 1: the stem's)
         check_cuda(kernels::launch_add_and_sum(tb.dx[ii], tb.dz[ii], tb.dx[ii],
                                                int64_t(bp.conv1.n) * bp.conv1.h * bp.conv1.w * b.in_planes,

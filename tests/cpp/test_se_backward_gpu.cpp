@@ -58,14 +58,7 @@ struct SeCase {
   bool raw_o = false;              // o given as conv2's raw output v with o_scale / o_shift (the training step's way)
   bool y_offset = false;           // y given as the next block's a = y + b1a with y_offset (the training step's way)
   bool two_streams = false;        // the data phase and the parameter phase on two streams (the training step's way)
-  int pool_w = 0;                  // > 0: images pool_w wide, and dy_pool (the next block's strided-shortcut
-                                   // gradient on the pooled grid) adds its average-pool transpose to dy
 };
-
-size_t pool_elems(const SeCase& c) {
-  const int h = c.hw / c.pool_w;
-  return size_t(c.n) * ((h + 1) / 2) * ((c.pool_w + 1) / 2) * c.p;
-}
 
 void PrintTo(const SeCase& c, std::ostream* os) { *os << c.name; }
 
@@ -129,13 +122,6 @@ const SeCase kCases[] = {
     {"bf16_b2_n33_yoff_2s", kBF16, 33, 64, 128, 8, 128, 0, false, false, true, true, true, true},
     {"f16_b3_n1030_yoff", kF16, 1030, 16, 256, 16, 256, 0, false, false, true, true, true, false},
     {"bf16_odd_n5_2s", kBF16, 5, 9, 24, 3, 8, 8, false, false, true, false, false, true},
-    // dy plus the pool transpose of dy_pool (the training step's blocks before a strided shortcut): 16x16, 8x8, 4x4
-    // images, and odd sizes (3x3 and 5x3: the last pooled row / column covers one pixel)
-    {"f16_b1_n33_pool", kF16, 33, 256, 64, 4, 0, 0, false, false, true, true, true, true, 16},
-    {"bf16_b2_n33_pool", kBF16, 33, 64, 128, 8, 0, 0, false, false, true, true, true, false, 8},
-    {"f16_b3_n1030_pool", kF16, 1030, 16, 256, 16, 0, 0, false, false, true, true, true, true, 4},
-    {"bf16_odd_n5_pool", kBF16, 5, 9, 24, 3, 0, 0, false, false, true, false, false, false, 3},
-    {"f16_odd_5x3_n3_pool", kF16, 3, 15, 24, 3, 0, 0, false, false, false, false, false, false, 3},
 };
 
 // ---- inputs --------------------------------------------------------------------------------------------------------
@@ -148,7 +134,6 @@ struct Inputs {
   float scale = 1.f, shift = 0.f;
   std::vector<uint16_t> dy_t;   // dy as T (NHWC or NCHW), unless f32
   std::vector<float> dy_f;      // dy as fp32 (NCHW), when f32
-  std::vector<uint16_t> dy_pool;  // pool_w: NHWC [n][ph][pw][p] of T
   std::vector<float> w1, b1, w2, b2;
   std::vector<double> m;        // [n][p]: mean over hw of o (float64)
   std::vector<double> a1;       // [n][hidden]: fc1.W m (float64), before b1
@@ -234,10 +219,6 @@ Inputs make_inputs(const SeCase& c, std::mt19937& rng) {
       in.a1[size_t(n) * c.hidden + j] = s;
     }
   }
-  if (c.pool_w) {
-    in.dy_pool.resize(pool_elems(c));
-    for (uint16_t& v : in.dy_pool) v = float_to_bits(0.5f * u11(rng), c.dtype);
-  }
   choose_b1(c, &in, rng);
   return in;
 }
@@ -254,7 +235,7 @@ int pitch_of(const SeCase& c) { return c.dz_front + c.p + c.dz_back; }
 
 // Device copies of the inputs, the outputs and the workspace.
 struct DeviceState {
-  DeviceBuffer y, dy, dy_pool, o, w1, b1, w2, b2, d_o, dz, dw1, db1, dw2, db2, sums, ws, affine;
+  DeviceBuffer y, dy, o, w1, b1, w2, b2, d_o, dz, dw1, db1, dw2, db2, sums, ws, affine;
   std::vector<uint16_t> dz_init;  // sentinel in the gaps, NaN where dz goes
 };
 
@@ -272,7 +253,6 @@ void upload(const SeCase& c, const Inputs& in, DeviceState* d) {
     ASSERT_NO_FATAL_FAILURE(put(d->dy, in.dy_f.data(), elems * 4));
   else
     ASSERT_NO_FATAL_FAILURE(put(d->dy, in.dy_t.data(), elems * 2));
-  if (c.pool_w) ASSERT_NO_FATAL_FAILURE(put(d->dy_pool, in.dy_pool.data(), in.dy_pool.size() * 2));
   ASSERT_NO_FATAL_FAILURE(put(d->w1, in.w1.data(), in.w1.size() * 4));
   ASSERT_NO_FATAL_FAILURE(put(d->b1, in.b1.data(), in.b1.size() * 4));
   ASSERT_NO_FATAL_FAILURE(put(d->w2, in.w2.data(), in.w2.size() * 4));
@@ -297,7 +277,6 @@ SeBackwardArgs make_args(const SeCase& c, const DeviceState& d) {
   a.dy = d.dy.ptr;
   a.dy_nchw = c.nchw;
   a.dy_f32 = c.f32;
-  if (c.pool_w) a.dy_pool = d.dy_pool.ptr, a.img_w = c.pool_w;
   a.o = d.o.ptr;
   if (c.raw_o) a.o_scale = d.affine.as<float>(), a.o_shift = d.affine.as<float>() + 1;
   if (c.y_offset) a.y_offset = d.affine.as<float>() + 2;
@@ -423,17 +402,8 @@ void check_against_reference(const SeCase& c, const Inputs& in, const Outputs& o
       for (int ch = 0; ch < P; ++ch) {
         const size_t e = (size_t(n) * HW + i) * P + ch;
         const size_t ed = c.nchw ? (size_t(n) * P + ch) * HW + i : e;
-        double dyv = c.f32 ? double(in.dy_f[ed]) : bits_to_float(in.dy_t[ed], c.dtype);
-        double dyt = c.f32 ? bits_to_float(float_to_bits(in.dy_f[ed], c.dtype), c.dtype) : dyv;  // dy rounded to T
-        if (c.pool_w) {  // + the pool transpose, summed in fp32 in the kernel's order, then rounded to T as dz is
-          const int w = c.pool_w, h = HW / w, ph = (h + 1) / 2, pw = (w + 1) / 2, r = i / w, q = i % w;
-          float acc = float(dyv);
-          for (int rr = r / 2; rr <= std::min((r + 1) / 2, ph - 1); ++rr)
-            for (int qq = q / 2; qq <= std::min((q + 1) / 2, pw - 1); ++qq)
-              acc += bits_to_float(in.dy_pool[((size_t(n) * ph + rr) * pw + qq) * P + ch], c.dtype);
-          dyv = acc;
-          dyt = bits_to_float(float_to_bits(acc, c.dtype), c.dtype);
-        }
+        const double dyv = c.f32 ? double(in.dy_f[ed]) : bits_to_float(in.dy_t[ed], c.dtype);
+        const double dyt = c.f32 ? bits_to_float(float_to_bits(in.dy_f[ed], c.dtype), c.dtype) : dyv;  // dy rounded to T
         const bool on = bits_to_float(in.y[e], c.dtype) > 0.0;
         const double dz = on ? dyv : 0.0;
         dzt[size_t(i) * P + ch] = on ? dyt : 0.0;
@@ -618,9 +588,6 @@ TEST(SeBackwardValidation, RejectsWithoutTouchingTheDevice) {
   rejects(with([](SeBackwardArgs& a) { a.dz_pitch = 56; }), "dz_pitch < p");
   rejects(with([](SeBackwardArgs& a) { a.dz_pitch = 132; }), "dz_pitch not a multiple of 8");
   rejects(with([](SeBackwardArgs& a) { a.dy_f32 = true; }), "dy_f32 without dy_nchw");
-  rejects(with([](SeBackwardArgs& a) { a.dy_pool = a.dy, a.img_w = 0; }), "dy_pool without the image width");
-  rejects(with([](SeBackwardArgs& a) { a.dy_pool = a.dy, a.img_w = 3; }), "dy_pool: hw not a multiple of img_w");
-  rejects(with([](SeBackwardArgs& a) { a.dy_pool = a.dy, a.img_w = a.hw, a.dy_nchw = true; }), "dy_pool, dy NCHW");
   rejects(with([](SeBackwardArgs& a) { a.o_scale = static_cast<const float*>(fake(18)); }), "o_scale without o_shift");
   rejects(with([](SeBackwardArgs& a) { a.o_shift = static_cast<const float*>(fake(18)); }), "o_shift without o_scale");
   rejects(with([](SeBackwardArgs& a) { a.hidden = 1 << 20; }), "hidden too large for shared memory");

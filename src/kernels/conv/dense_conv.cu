@@ -174,18 +174,4 @@ cudaError_t dense_conv_wgrad(const Conv2dProblem& p, ConvDType dtype, const void
   return cudaGetLastError();
 }
 
-size_t pointwise_dgrad_workspace_bytes() { return kCublasWorkspace; }
-
-cudaError_t pointwise_dgrad(ConvDType dtype, int64_t m, int k, int c, const void* dy, const void* w, int64_t ldw,
-                            void* dx, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (m < 1 || m > INT32_MAX || k < 8 || c < 8 || k % 8 || c % 8 || ldw < c || ldw % 8 || !dy || !w || !dx ||
-      !workspace || workspace_bytes < pointwise_dgrad_workspace_bytes() || !aligned16(dy) || !aligned16(w) ||
-      !aligned16(dx) || !aligned16(workspace))
-    return cudaErrorInvalidValue;
-  // Row-major dx[m][c] = dy[m][k] W[k][c] (W rows ldw apart): column-major dx^T = W^T dy^T, W^T being W's rows read
-  // as columns (lda = ldw).
-  const cudaDataType_t t = cuda_type(dtype);
-  return gemm(CUBLAS_OP_N, CUBLAS_OP_N, c, m, k, w, t, ldw, dy, t, k, dx, t, c, workspace, stream);
-}
-
 }  // namespace kfuse::kernels

@@ -34,11 +34,4 @@ size_t dense_conv_wgrad_workspace_bytes(const Conv2dProblem& p, ConvDType dtype)
 cudaError_t dense_conv_wgrad(const Conv2dProblem& p, ConvDType dtype, const void* dy, const void* x, float* dw,
                              void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
-// The data gradient of a 1x1 convolution (stride 1) as one GEMM: dx[m][c] = sum over k of dy[m][k] w[k][c], with dy
-// [m][k] and dx [m][c] dense NHWC T and the filter's rows ldw elements apart (ldw >= c: the encoder's strided
-// shortcut keeps Wd / 9 at tap 0 of a 3x3 KRSC filter, rows 9C apart). k, c, ldw multiples of 8.
-size_t pointwise_dgrad_workspace_bytes();
-cudaError_t pointwise_dgrad(ConvDType dtype, int64_t m, int k, int c, const void* dy, const void* w, int64_t ldw,
-                            void* dx, void* workspace, size_t workspace_bytes, cudaStream_t stream);
-
 }  // namespace kfuse::kernels

@@ -32,12 +32,6 @@ struct SeBackwardArgs {
   const void* dy = nullptr;  // dL/dy: NHWC [n][hw][p] of T; or, when dy_nchw, NCHW [n][p][hw] of T or fp32 (dy_f32)
   bool dy_nchw = false;
   bool dy_f32 = false;       // only with dy_nchw
-  // Optional, NHWC dy only: dL/dy also receives the transpose of a 3x3, stride-2, pad-1 average pool (the next
-  // block's strided shortcut, pooled then 1x1: its data gradient dy_pool = dz Wd / 9 arrives pooled). dy_pool is
-  // NHWC [n][(h + 1) / 2][(w + 1) / 2][p] of T for h x w images (hw = h * img_w); pixel (r, c) adds dy_pool at every
-  // pooled (r', c') with |2r' - r| <= 1 and |2c' - c| <= 1, summed in fp32 with dy.
-  const void* dy_pool = nullptr;
-  int img_w = 0;
   const void* o = nullptr;   // the SE input o (after x scale + b2b), NHWC [n][hw][p] of T
   const float* o_scale = nullptr;  // optional (with o_shift): o holds conv2's raw output v, and the SE input is
   const float* o_shift = nullptr;  //   T(v * *o_scale + *o_shift), as the forward's squeeze-excite read it
@@ -65,12 +59,6 @@ cudaError_t launch_se_backward(const SeBackwardArgs& args, ConvDType dtype, void
 // session 10).
 cudaError_t launch_se_backward_data(const SeBackwardArgs& args, ConvDType dtype, void* workspace, cudaStream_t stream);
 cudaError_t launch_se_backward_params(const SeBackwardArgs& args, ConvDType dtype, void* workspace,
-                                      cudaStream_t stream);
-
-// dx += the transpose of a 3x3, stride-2, pad-1 average pool applied to g (pool_transpose.cuh): dx NHWC [n][h][w][p],
-// g NHWC [n][(h + 1) / 2][(w + 1) / 2][p], both T, 16-byte aligned, p % 8 == 0. The first block's strided-shortcut
-// gradient, where no squeeze-excite backward takes it (SeBackwardArgs::dy_pool does elsewhere).
-cudaError_t launch_add_pool_transpose(void* dx, const void* g, int n, int h, int w, int p, ConvDType dtype,
                                       cudaStream_t stream);
 
 // Backward of conv1's epilogue h2 = relu(v) + b2a (v = conv1 + b1b; h2 is what the forward stored): the gradient

@@ -38,7 +38,6 @@
 
 #include "kernels/encoder/backward_kernels.h"
 #include "kernels/encoder/numeric.cuh"
-#include "kernels/encoder/pool_transpose.cuh"
 
 namespace kfuse::kernels {
 namespace {
@@ -71,8 +70,6 @@ struct MainParams {
   const void* y;
   const float* y_offset;  // null: the ReLU was active where y > 0; else where y > T(*y_offset)
   const void* dy;
-  const void* dy_pool;  // SeBackwardArgs::dy_pool (kDyNhwc only), images img_w wide
-  int img_w;
   const void* o;
   const float* o_scale;  // null: o is the SE input itself; else o = T(o * scale + shift)
   const float* o_shift;
@@ -245,7 +242,6 @@ __device__ __forceinline__ void load_dy8(const MainParams& a, const unsigned cha
   switch (a.dy_mode) {
     case kDyNhwc:
       unpack8<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) + pix * p + c0)), d);
-      if (a.dy_pool) add_pool_transpose8<T>(a.dy_pool, img, i, a.hw / a.img_w, a.img_w, p, c0, d);  // L2 hits
       break;
     case kDyStagedT:
       unpack8<T>(*reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(smem + a.off_dyst) +
@@ -736,7 +732,6 @@ bool valid_args(const SeBackwardArgs& a, ConvDType dtype) {
   if (a.n < 1 || a.hw < 1 || a.hidden < 1 || a.p < 8 || a.p > kMaxP || a.p % 8 != 0) return false;
   if (a.dz_pitch < a.p || a.dz_pitch % 8 != 0) return false;
   if (a.dy_f32 && !a.dy_nchw) return false;
-  if (a.dy_pool && (a.dy_nchw || a.img_w < 1 || a.hw % a.img_w != 0 || !aligned(a.dy_pool, 16))) return false;
   if (!a.o_scale != !a.o_shift) return false;
   for (const void* ptr : {a.y, a.dy, a.o, static_cast<const void*>(a.d_o), static_cast<const void*>(a.dz)})
     if (!aligned(ptr, 16)) return false;
@@ -821,7 +816,6 @@ namespace {
 MainParams main_params(const SeBackwardArgs& a, const Plan& pl, const WsLayout& wl, unsigned char* ws) {
   MainParams mp{};
   mp.y = a.y, mp.y_offset = a.y_offset, mp.dy = a.dy, mp.o = a.o, mp.o_scale = a.o_scale, mp.o_shift = a.o_shift;
-  mp.dy_pool = a.dy_pool, mp.img_w = a.img_w;
   mp.w1 = a.w1, mp.w1t = reinterpret_cast<float*>(ws + wl.w1t), mp.b1 = a.b1;
   mp.w2 = a.w2, mp.w2t = reinterpret_cast<float*>(ws + wl.w2t), mp.b2 = a.b2;
   mp.d_o = a.d_o, mp.dz = a.dz;
