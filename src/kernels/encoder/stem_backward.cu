@@ -38,7 +38,6 @@
 // (the strided path does 4 byte-loads per unit there).
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include <cuda_bf16.h>
@@ -443,20 +442,9 @@ bool valid_args(const StemBackwardArgs& a) {
   return true;
 }
 
-// Persistent CTAs: kMaxCtas, or KFUSE_STEM_BWD_CTAS (1 .. kMaxCtas; read once; an A/B switch: fewer CTAs leave each
-// SM room for a concurrent weight-gradient CTA, PERF.md session 17).
-int max_ctas() {
-  static const int v = [] {
-    const char* e = std::getenv("KFUSE_STEM_BWD_CTAS");
-    const int n = e && *e ? std::atoi(e) : 0;
-    return n >= 1 && n <= kMaxCtas ? n : kMaxCtas;
-  }();
-  return v;
-}
-
 int grid_x(const StemBackwardArgs& a) {
   const int64_t tiles = (pixel_count(a) + kTileP - 1) / kTileP;
-  return int(std::min<int64_t>(tiles, max_ctas()));
+  return int(std::min<int64_t>(tiles, kMaxCtas));
 }
 
 template <class T, class E, int kNT>
