@@ -8,6 +8,7 @@
 
 #include "kernels/conv/cudnn_conv.h"
 #include "kernels/conv/dense_conv.h"
+#include "kernels/conv/wgrad_wgmma.h"
 #include "kfuse/device.h"
 #include "kfuse/error.h"
 #include "runtime/cuda_check.h"
@@ -68,6 +69,7 @@ WgradChoice wgrad_heuristic(const Conv2dProblem& p, ConvDType dtype, int sm_coun
 
 bool wgrad_can_implement(const WgradChoice& c, const Conv2dProblem& p, ConvDType dtype) {
   if (c.dense) return kernels::dense_conv_can_implement(p, dtype);
+  if (c.wgmma) return kernels::wgrad_wgmma_can_implement(p, dtype);
   if (c.cudnn) return kernels::cudnn_conv_workspace_bytes(CudnnConvOp::kWgrad, p, dtype, c.algo) != SIZE_MAX;
   return kernels::conv2d_wgrad_can_implement(p, dtype, c.tile, c.split_k);
 }
@@ -98,11 +100,15 @@ std::vector<WgradChoice> wgrad_candidates(const Conv2dProblem& p, ConvDType dtyp
   WgradChoice dense;
   dense.dense = true;
   add(dense);  // tiny images only (dense_conv_can_implement)
+  WgradChoice wgmma;
+  wgmma.wgmma = true;
+  add(wgmma);  // Hopper, block 1's shape (wgrad_wgmma_can_implement)
   return out;
 }
 
 size_t wgrad_workspace_bytes(const WgradChoice& c, const Conv2dProblem& p, ConvDType dtype) {
   if (c.dense) return kernels::dense_conv_wgrad_workspace_bytes(p, dtype);
+  if (c.wgmma) return kernels::wgrad_wgmma_workspace_bytes(p, dtype);
   if (c.cudnn) {
     const size_t b = kernels::cudnn_conv_workspace_bytes(CudnnConvOp::kWgrad, p, dtype, c.algo);
     return b == SIZE_MAX ? 0 : b;
@@ -115,6 +121,8 @@ cudaError_t run_wgrad(const WgradChoice& c, const Conv2dProblem& p, ConvDType dt
   if (c.cudnn) return kernels::cudnn_conv_wgrad(p, dtype, c.algo, dy, x, dw, workspace, workspace_bytes, stream);
   if (c.dense)
     return kernels::dense_conv_wgrad(p, dtype, dy, x, static_cast<float*>(dw), workspace, workspace_bytes, stream);
+  if (c.wgmma)
+    return kernels::wgrad_wgmma(p, dtype, dy, x, static_cast<float*>(dw), workspace, workspace_bytes, stream);
   return kernels::conv2d_wgrad(p, dtype, c.tile, c.split_k, dy, x, static_cast<float*>(dw), workspace,
                                workspace_bytes, stream);
 }

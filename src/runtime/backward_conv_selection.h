@@ -19,10 +19,11 @@ namespace kfuse {
 struct WgradChoice {
   bool cudnn = false;
   bool dense = false;  // one dense GEMM over the flattened images (kernels/conv/dense_conv.h), fp32 out
+  bool wgmma = false;  // Hopper, 3x3 / 64 -> 64 on small images (kernels/conv/wgrad_wgmma.h), fp32 out
   kernels::BackwardTile tile = kernels::BackwardTile::k128x128;  // CUTLASS
   int split_k = 1;                                              // CUTLASS
   int algo = 0;                                                 // cuDNN
-  // "sm80_128x128_k8", "cudnn_a1", "dense_gemm": stable, they are the tuning cache's values.
+  // "sm80_128x128_k8", "cudnn_a1", "dense_gemm", "sm90_wgmma": stable, they are the tuning cache's values.
   std::string name() const;
   // cuDNN writes dw in the activations' type T, CUTLASS in fp32.
   bool writes_t() const { return cudnn; }

@@ -5,6 +5,7 @@
 // Shares its executable with test_conv_dgrad_gpu.cpp: every helper is in this file's anonymous namespace and every
 // suite name starts with ConvWgrad.
 #include "kernels/conv/conv_backward.h"
+#include "kernels/conv/wgrad_wgmma.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -357,6 +358,108 @@ TEST(ConvWgradCanImplement, RejectsUnsupportedProblems) {
   EXPECT_FALSE(conv2d_wgrad_can_implement(ok, ConvDType::kF16, static_cast<BackwardTile>(99), 1)) << "unknown tile";
   EXPECT_FALSE(conv2d_wgrad_can_implement(ok, static_cast<ConvDType>(99), BackwardTile::k128x64, 1))
       << "unknown dtype";
+}
+
+// ---- the Hopper wgmma kernel for block 1's shape (wgrad_wgmma.h) ---------------------------------------------------
+
+struct WgmmaCase {
+  const char* name;
+  Conv2dProblem problem;
+};
+// More images than an H100 has SMs (CTAs loop over images through both shared-memory stages), a wide non-square
+// image, an odd number of 16-pixel K steps per image (h = 5, w = 16), and one image.
+const WgmmaCase kWgmmaCases[] = {
+    {"n300_16x16", conv3x3(300, 16, 64, 64, 1)},
+    {"n7_8x32", wgrad_problem(7, 8, 32, 64, 64, 3, 3, 1, 1)},
+    {"n137_5x16", wgrad_problem(137, 5, 16, 64, 64, 3, 3, 1, 1)},
+    {"n1_16x16", conv3x3(1, 16, 64, 64, 1)},
+};
+
+class ConvWgradWgmmaTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+// Poisoned dw and workspace, two launches (the second must reproduce the first bitwise), against float64. The bound
+// is kWgradRelTol's: exact products, fp32 sums (per CTA over its images, then over the CTAs in order).
+TEST_P(ConvWgradWgmmaTest, MatchesFloat64Reference) {
+  const WgmmaCase& tc = kWgmmaCases[std::get<0>(GetParam())];
+  const ConvDType dt = std::get<1>(GetParam()) == 0 ? ConvDType::kF16 : ConvDType::kBF16;
+  const Conv2dProblem& p = tc.problem;
+  std::string why;
+  if (!kfuse::kernels::wgrad_wgmma_can_implement(p, dt, &why)) GTEST_SKIP() << why;
+  const std::string test_name = std::string("wgrad-wgmma/") + tc.name + (dt == ConvDType::kF16 ? "/f16" : "/bf16");
+  std::mt19937 rng(seed_for(test_name));
+  const std::vector<uint16_t> dy = random_nonzero_bits(grad_elems(p), dt, rng);
+  const std::vector<uint16_t> x = random_nonzero_bits(act_elems(p), dt, rng);
+  const std::vector<double> ref = reference_wgrad(p, dy, x, dt);
+  DeviceBuffer d_dy, d_x, d_dw, ws;
+  ASSERT_EQ(d_dy.alloc(dy.size() * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(d_x.alloc(x.size() * sizeof(uint16_t)), cudaSuccess);
+  ASSERT_EQ(d_dw.alloc(filter_elems(p) * sizeof(float)), cudaSuccess);
+  const size_t ws_bytes = kfuse::kernels::wgrad_wgmma_workspace_bytes(p, dt);
+  ASSERT_GE(ws_bytes, filter_elems(p) * sizeof(float));
+  ASSERT_EQ(ws.alloc(ws_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_dy.ptr, dy.data(), d_dy.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_x.ptr, x.data(), d_x.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(d_dw.ptr, kPoisonByte, d_dw.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(ws.ptr, kPoisonByte, ws.bytes), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  StreamGuard stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking), cudaSuccess);
+  std::vector<float> first(filter_elems(p)), second(filter_elems(p));
+  for (std::vector<float>* out : {&first, &second}) {
+    ASSERT_EQ(kfuse::kernels::wgrad_wgmma(p, dt, d_dy.ptr, d_x.ptr, d_dw.as<float>(), ws.ptr, ws.bytes,
+                                          stream.stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream.stream), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(out->data(), d_dw.ptr, d_dw.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  const WgradComparison c = compare_wgrad(first, ref);
+  EXPECT_EQ(c.nan_count, 0u) << "dw elements left unwritten (NaN poison) or NaN";
+  ASSERT_GT(c.ref_norm2, 0.0);
+  EXPECT_LE(c.rel, kWgradRelTol) << "normwise relative error ||dw-ref||/||ref||";
+  EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size() * sizeof(float)), 0) << "not reproducible";
+  // Rejected calls launch nothing: a too-small workspace, a misaligned pointer.
+  ASSERT_EQ(cudaMemset(d_dw.ptr, kPoisonByte, d_dw.bytes), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(kfuse::kernels::wgrad_wgmma(p, dt, d_dy.ptr, d_x.ptr, d_dw.as<float>(), ws.ptr, ws_bytes - 16,
+                                        stream.stream),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(kfuse::kernels::wgrad_wgmma(p, dt, static_cast<char*>(d_dy.ptr) + 2, d_x.ptr, d_dw.as<float>(), ws.ptr,
+                                        ws.bytes, stream.stream),
+            cudaErrorInvalidValue);
+  ASSERT_EQ(cudaStreamSynchronize(stream.stream), cudaSuccess);
+  EXPECT_EQ(count_unpoisoned(d_dw.ptr, d_dw.bytes), 0u) << "a rejected call wrote dw";
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, ConvWgradWgmmaTest,
+                         ::testing::Combine(::testing::Range(0, int(std::size(kWgmmaCases))), ::testing::Range(0, 2)),
+                         [](const ::testing::TestParamInfo<std::tuple<int, int>>& info) {
+                           return std::string(kWgmmaCases[std::get<0>(info.param)].name) +
+                                  (std::get<1>(info.param) == 0 ? "_f16" : "_bf16");
+                         });
+
+// No CUDA call for a shape the kernel does not take: the reason names it (runs on any machine).
+TEST(ConvWgradWgmmaCanImplement, RefusesOtherShapesWithAReason) {
+  using kfuse::kernels::wgrad_wgmma_can_implement;
+  const struct {
+    Conv2dProblem p;
+    const char* expect;
+  } cases[] = {
+      {conv3x3(2, 16, 128, 128, 1), "64 input and 64 output channels"},
+      {conv3x3(2, 16, 64, 64, 2), "stride 1"},
+      {wgrad_problem(2, 16, 16, 64, 64, 1, 1, 0, 1), "3x3"},
+      {conv3x3(2, 8, 64, 64, 1), "multiple of 16"},
+      {conv3x3(0, 16, 64, 64, 1), "empty batch"},
+      {conv3x3(2, 64, 64, 64, 1), "too large"},
+  };
+  for (const auto& c : cases) {
+    std::string why;
+    EXPECT_FALSE(wgrad_wgmma_can_implement(c.p, ConvDType::kF16, &why));
+    EXPECT_NE(why.find(c.expect), std::string::npos) << why;
+  }
+  std::string why;
+  EXPECT_FALSE(wgrad_wgmma_can_implement(conv3x3(2, 16, 64, 64, 1), static_cast<ConvDType>(99), &why));
+  EXPECT_NE(why.find("fp16 or bf16"), std::string::npos) << why;
+  EXPECT_EQ(kfuse::kernels::wgrad_wgmma_workspace_bytes(conv3x3(2, 16, 128, 128, 1), ConvDType::kF16), 0u);
 }
 
 }  // namespace

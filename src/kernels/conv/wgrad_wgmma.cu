@@ -1,0 +1,291 @@
+// The Hopper weight gradient of 3x3 / 64 -> 64 convolutions on small images (wgrad_wgmma.h). sm_90a only: wgmma.
+//
+// Shared memory, per stage (two stages: one image computes while the next one loads):
+//   x:  8 planes (one per 16-byte channel group), each the (h+2) x (w+2) haloed image, one 16-byte chunk per pixel;
+//   dy: 8 planes of the h x w image, the same way.
+// A plane is 16 bytes longer than a multiple of 128 bytes, so the 8 chunks of one pixel (one 128-byte global row)
+// land in 8 different bank groups (conflict-free cp.async writes).
+//
+// The GEMM per image: dw_tap[k][c] += sum over pixels of dy[pixel][k] * x_tap[pixel][c], K = pixels. Both operands
+// are "MN-major" for wgmma: 8 consecutive pixels of one plane are one 128-byte core matrix (8 K rows of 8 channels),
+// the next 8 pixels of the row are the next core matrix along K (+128 bytes), the next 8 channels the next plane.
+// A 16-pixel K step lies in one image row (w % 16 == 0), so x's core matrices for tap (r, s) start at halo pixel
+// (y + r, x0 + s): the im2col is the descriptor's start address, no copy.
+// A = dy^T (M = 64 output channels) goes to registers with ldmatrix.trans once per K step and is shared by the three
+// taps s of the warpgroup's filter row r (wgmma's register-A form: B alone is read from shared memory, 6 KB per
+// 3 MMAs instead of 12 KB).
+#include "kernels/conv/wgrad_wgmma.h"
+
+#include <cstdint>
+
+namespace kfuse::kernels {
+namespace {
+
+constexpr int kThreads = 384;                 // three warpgroups: filter rows r = 0, 1, 2
+constexpr int kFilterElems = 64 * 3 * 3 * 64;  // KRSC
+constexpr int kMaxSmem = 227 * 1024;           // Hopper's opt-in shared memory per block
+
+int round_up(int v, int m) { return (v + m - 1) / m * m; }
+
+struct Layout {
+  int x_plane, dy_plane, stage;
+  explicit Layout(int h, int w)
+      : x_plane(round_up((h + 2) * (w + 2) * 16, 128) + 16),
+        dy_plane(round_up(h * w * 16, 128) + 16),
+        stage(8 * (x_plane + dy_plane)) {}
+  int smem() const { return 2 * stage; }
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KFUSE_WGRAD_WGMMA_DEVICE 1
+#endif
+
+#ifdef KFUSE_WGRAD_WGMMA_DEVICE
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from touching registers an MMA in flight reads or writes before the wait that completes it.
+__device__ __forceinline__ void hold(float (&d)[32]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void hold(uint32_t (&a)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+// MN-major operand without swizzle: start address, leading byte offset = the next 8 K rows (128 bytes: the next 8
+// pixels), stride byte offset = the next 8 MN columns (the next channel plane); all in 16-byte units.
+__device__ __forceinline__ uint64_t desc_mn(uint32_t addr, uint32_t plane_bytes) {
+  return static_cast<uint64_t>((addr >> 4) & 0x3fffu) | (static_cast<uint64_t>(128 >> 4) << 16) |
+         (static_cast<uint64_t>((plane_bytes >> 4) & 0x3fffu) << 32);
+}
+
+#define KFUSE_WGMMA_D32                                                                                             \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29," \
+  "%30,%31}"
+#define KFUSE_WGMMA_D32_OPERANDS                                                                                     \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),      \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// d (64 x 64, fp32, the warpgroup's C layout) += A (registers, 64 x 16) * B (shared, MN-major, 16 x 64).
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (kBf16) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " KFUSE_WGMMA_D32
+                 ", {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"
+                 : KFUSE_WGMMA_D32_OPERANDS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  } else {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " KFUSE_WGMMA_D32
+                 ", {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"
+                 : KFUSE_WGMMA_D32_OPERANDS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  }
+}
+#endif  // KFUSE_WGRAD_WGMMA_DEVICE
+
+// Grid: min(n, SMs) CTAs, image i to CTA i % grid; CTA b writes its partial gradient at partial + b * kFilterElems.
+template <bool kBf16>
+__global__ void __launch_bounds__(kThreads, 1)
+    wgrad3x3_c64_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x, float* __restrict__ partial,
+                        int n, int h, int w, int x_plane, int dy_plane) {
+#ifdef KFUSE_WGRAD_WGMMA_DEVICE
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t base = smem_u32(smem);
+  const int tid = threadIdx.x, wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31;
+  const int hw = h * w, pitch = w + 2;
+  const int stage_bytes = 8 * (x_plane + dy_plane);
+
+  // The halo stays zero: loads write only the interior.
+  for (int i = tid; i < 2 * stage_bytes / 16; i += kThreads)
+    asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(base + 16 * i), "r"(0u) : "memory");
+  __syncthreads();
+
+  // Eight consecutive threads copy the eight 16-byte chunks of one pixel (a warp: four whole 128-byte pixel rows).
+  auto load_image = [&](int img, int st) {
+    const uint32_t xs = base + st * stage_bytes, ds = xs + 8 * x_plane;
+    const uint16_t* xi = x + static_cast<size_t>(img) * hw * 64;
+    const uint16_t* di = dy + static_cast<size_t>(img) * hw * 64;
+    for (int i = tid; i < hw * 8; i += kThreads) {
+      const int p = i >> 3, g = i & 7, py = p / w, px = p - py * w;
+      cp_async16(xs + g * x_plane + ((py + 1) * pitch + px + 1) * 16, xi + p * 64 + g * 8);
+      cp_async16(ds + g * dy_plane + p * 16, di + p * 64 + g * 8);
+    }
+  };
+
+  float acc[3][32];
+#pragma unroll
+  for (int s = 0; s < 3; ++s)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[s][i] = 0.f;
+
+  const int stride = gridDim.x;
+  int img = blockIdx.x;
+  load_image(img, 0);
+  cp_async_commit();
+  if (img + stride < n) load_image(img + stride, 1);
+  cp_async_commit();
+
+  // This lane's ldmatrix row of dy^T: x4 matrices 0..3 = (channels +0, pixels +0), (+8, +0), (+0, +8), (+8, +8).
+  const uint32_t a_lane = (2 * wq + ((lane >> 3) & 1)) * dy_plane + ((lane & 7) + ((lane >> 4) << 3)) * 16;
+  const int ksteps = hw / 16;
+  uint32_t a[2][4] = {};
+  for (int it = 0; img < n; ++it, img += stride) {
+    const int st = it & 1;
+    cp_async_wait<1>();  // this image's group (the newest one may still load the next image)
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t xs = base + st * stage_bytes, ds = xs + 8 * x_plane;
+    // K steps in pairs, so that the two fragment buffers have fixed registers: buffer j is reloaded only after the
+    // wait that completes the MMAs of two steps before (wait_group 1 leaves the previous step's MMAs running).
+    for (int kb = 0; kb < ksteps; kb += 2) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (kb + j == ksteps) break;  // an odd number of steps (h odd, w = 16)
+        const int p0 = (kb + j) * 16, py = p0 / w, px = p0 - py * w;
+        wgmma_wait<1>();
+        hold(a[j]);
+        ldsm_x4_trans(a[j], ds + a_lane + p0 * 16);
+        const uint32_t b = xs + ((py + wg) * pitch + px) * 16;  // tap (r = wg, s = 0): halo pixel (y + r, x0 + s)
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 3; ++s) wgmma_m64n64k16_rs<kBf16>(acc[s], a[j], desc_mn(b + 16 * s, x_plane));
+        wgmma_commit();
+      }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int s = 0; s < 3; ++s) hold(acc[s]);
+    hold(a[0]);
+    hold(a[1]);
+    __syncthreads();  // every warpgroup's MMAs have read this stage
+    if (img + 2 * stride < n) load_image(img + 2 * stride, st);
+    cp_async_commit();
+  }
+
+  // acc[s][4 j + e] of warp wq: output channel k = 16 wq + lane / 4 + 8 (e >> 1), input channel c = 8 j + 2 (lane % 4)
+  // + (e & 1).
+  float* out = partial + static_cast<size_t>(blockIdx.x) * kFilterElems;
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int s = 0; s < 3; ++s)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int k = 16 * wq + g + 8 * hh, c = 8 * j + 2 * q;
+        *reinterpret_cast<float2*>(out + ((k * 3 + wg) * 3 + s) * 64 + c) =
+            make_float2(acc[s][4 * j + 2 * hh], acc[s][4 * j + 2 * hh + 1]);
+      }
+#else
+  // Compiled for another architecture: never launched (wgrad_wgmma_can_implement requires compute capability 9.0).
+  __trap();
+#endif
+}
+
+// dw[i] = sum over the CTAs' partials in CTA order (fixed: reproducible), four floats per thread.
+__global__ void sum_partials_kernel(const float4* __restrict__ partial, float4* __restrict__ dw, int parts) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= kFilterElems / 4) return;
+  float4 s = partial[i];
+#pragma unroll 8
+  for (int b = 1; b < parts; ++b) {
+    const float4 v = partial[static_cast<size_t>(b) * (kFilterElems / 4) + i];
+    s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+  }
+  dw[i] = s;
+}
+
+struct DeviceInfo {
+  int sms = 0, major = 0, minor = 0, smem_optin = 0;
+};
+// The current device's properties (queried per call: cheap, and correct when the caller switches devices).
+bool device_info(DeviceInfo& d) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  return cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess;
+}
+
+std::string problem_reason(const Conv2dProblem& p, ConvDType dtype) {
+  if (dtype != ConvDType::kF16 && dtype != ConvDType::kBF16) return "fp16 or bf16 only";
+  if (p.c != 64 || p.k != 64) return "64 input and 64 output channels only";
+  if (p.r != 3 || p.s != 3 || p.pad_h != 1 || p.pad_w != 1 || p.stride_h != 1 || p.stride_w != 1)
+    return "3x3 filters, stride 1, padding 1 only";
+  if (p.n < 1 || p.h < 1 || p.w < 1) return "empty batch or image";
+  if (p.w % 16 != 0) return "the image width must be a multiple of 16";
+  if (Layout(p.h, p.w).smem() > kMaxSmem) return "the image is too large for two stages in shared memory";
+  return "";
+}
+
+int grid_size(const Conv2dProblem& p, const DeviceInfo& d) { return p.n < d.sms ? p.n : d.sms; }
+
+}  // namespace
+
+bool wgrad_wgmma_can_implement(const Conv2dProblem& p, ConvDType dtype, std::string* why) {
+  std::string reason = problem_reason(p, dtype);
+  DeviceInfo d;
+  if (reason.empty()) {
+    if (!device_info(d)) reason = "no CUDA device";
+    else if (d.major != 9 || d.minor != 0) reason = "needs compute capability 9.0 (sm_90a wgmma)";
+    else if (Layout(p.h, p.w).smem() > d.smem_optin) reason = "the device's shared memory is too small";
+  }
+  if (why != nullptr) *why = reason;
+  return reason.empty();
+}
+
+size_t wgrad_wgmma_workspace_bytes(const Conv2dProblem& p, ConvDType dtype) {
+  DeviceInfo d;
+  if (!problem_reason(p, dtype).empty() || !device_info(d)) return 0;
+  return static_cast<size_t>(grid_size(p, d)) * kFilterElems * sizeof(float);
+}
+
+cudaError_t wgrad_wgmma(const Conv2dProblem& p, ConvDType dtype, const void* dy, const void* x, float* dw,
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (!wgrad_wgmma_can_implement(p, dtype)) return cudaErrorInvalidValue;
+  auto aligned = [](const void* ptr) { return ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  if (!aligned(dy) || !aligned(x) || !aligned(dw) || !aligned(workspace)) return cudaErrorInvalidValue;
+  DeviceInfo d;
+  if (!device_info(d)) return cudaErrorInvalidDevice;
+  const int grid = grid_size(p, d);
+  if (workspace_bytes < static_cast<size_t>(grid) * kFilterElems * sizeof(float)) return cudaErrorInvalidValue;
+  const Layout l(p.h, p.w);
+  auto kernel = dtype == ConvDType::kBF16 ? wgrad3x3_c64_kernel<true> : wgrad3x3_c64_kernel<false>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, l.smem());
+  if (e != cudaSuccess) return e;
+  float* partial = static_cast<float*>(workspace);
+  kernel<<<grid, kThreads, l.smem(), stream>>>(static_cast<const uint16_t*>(dy), static_cast<const uint16_t*>(x),
+                                                partial, p.n, p.h, p.w, l.x_plane, l.dy_plane);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  constexpr int kSumThreads = 128, kVectors = kFilterElems / 4;
+  sum_partials_kernel<<<(kVectors + kSumThreads - 1) / kSumThreads, kSumThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(partial), reinterpret_cast<float4*>(dw), grid);
+  return cudaGetLastError();
+}
+
+}  // namespace kfuse::kernels
