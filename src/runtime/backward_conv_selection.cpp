@@ -54,6 +54,7 @@ int wgrad_split(const Conv2dProblem& p, BackwardTile t, int sm_count) {
 // --- weight gradient --------------------------------------------------------------------------------------------
 std::string WgradChoice::name() const {
   if (dense) return "dense_gemm";
+  if (wgmma) return "sm90_wgmma";
   return cudnn ? "cudnn_a" + std::to_string(algo)
                : std::string("sm80_") + tile_name(tile) + "_k" + std::to_string(split_k);
 }

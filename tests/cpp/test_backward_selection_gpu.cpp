@@ -180,6 +180,10 @@ TEST(BackwardSelection, HeuristicsAndNames) {
   cudnn.algo = 1;
   EXPECT_EQ(cudnn.name(), "cudnn_a1");
   EXPECT_TRUE(cudnn.writes_t());
+  WgradChoice wgmma;
+  wgmma.wgmma = true;
+  EXPECT_EQ(wgmma.name(), "sm90_wgmma");
+  EXPECT_FALSE(wgmma.writes_t());
 
   const kfuse::ConvConfig fprop{kfuse::kernels::ConvTile::k128x64, 1};
   EXPECT_EQ(kfuse::dgrad_heuristic(s1, ConvDType::kF16, fprop).kind, DgradChoice::Kind::kFlippedForward);
