@@ -21,7 +21,7 @@
 namespace kfuse::kernels {
 namespace {
 
-constexpr int kThreads = 384;                 // compute: three warpgroups, filter rows r = 0, 1, 2 (+ a load warp)
+constexpr int kThreads = 384;                 // compute: three warpgroups, filter rows r = 0, 1, 2 (+ one loading)
 constexpr int kFilterElems = 64 * 3 * 3 * 64;  // KRSC
 constexpr int kMaxSmem = 227 * 1024 - 1024;    // Hopper's opt-in shared memory per block, less the static part
 constexpr int kMaxStages = 3;
@@ -121,14 +121,16 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
 #endif  // KFUSE_WGRAD_WGMMA_DEVICE
 
 // Grid: min(n, SMs) CTAs, image i to CTA i % grid; CTA b writes its partial gradient at partial + b * kFilterElems.
-// Warps 0-11 (three warpgroups) compute; warp 12 loads: the compute warps never issue copies, whose issue stalls
+// Warps 0-11 (three warpgroups) compute; warpgroup 3 loads: the compute warps never issue copies, whose issue stalls
 // once the SM's outstanding requests are at their limit (a first version, where all threads loaded the next image
 // between two images' MMAs, took 138 us at batch 2048 against ~50 for the loads alone).
-// Stage st's barriers: full[st] completes when an image's copies into it have landed (32 producer lanes, each
+// Stage st's barriers: full[st] completes when an image's copies into it have landed (128 producer threads, each
 // arriving when its own cp.async complete); empty[st] when the 384 compute threads have finished reading it.
-// 416 threads: __launch_bounds__ would cap registers at 128 (ptxas then serializes the MMAs); 13 warps x 152 fit.
+// 512 threads (a fourth warpgroup loads): each SM sub-partition holds one warp of each warpgroup and 16K registers,
+// so the launch gives 128 per thread and the warpgroups then trade them (setmaxnreg): the loaders keep 40, the compute
+// warps take 152 (at 128 ptxas serializes their MMAs; 40 + 3 x 152 <= 512 per sub-partition lane).
 template <bool kBf16>
-__global__ void __maxnreg__(152)
+__global__ void __launch_bounds__(kThreads + 128, 1)
     wgrad3x3_c64_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x, float* __restrict__ partial,
                         int n, int h, int w, int x_plane, int dy_plane, int stages) {
 #ifdef KFUSE_WGRAD_WGMMA_DEVICE
@@ -144,13 +146,15 @@ __global__ void __maxnreg__(152)
   for (int i = tid; i < stages * stage_bytes / 16; i += blockDim.x)
     asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(base + 16 * i), "r"(0u) : "memory");
   if (tid < stages) {
-    mbar_init(smem_u32(&full[tid]), 32);
+    mbar_init(smem_u32(&full[tid]), 128);
     mbar_init(smem_u32(&empty[tid]), kThreads);
   }
   __syncthreads();
 
   if (tid >= kThreads) {
-    // The producer warp: eight lanes copy the eight 16-byte chunks of one pixel, a pass of the warp four whole
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    const int t = tid - kThreads;
+    // The loading warpgroup: eight threads copy the eight 16-byte chunks of one pixel, a pass of the warp four whole
     // 128-byte pixel rows (coalesced reads; the 8 chunks land in 8 bank groups).
     for (int it = 0, img = blockIdx.x; img < n; ++it, img += stride) {
       const int st = it % stages, use = it / stages;
@@ -158,7 +162,7 @@ __global__ void __maxnreg__(152)
       const uint32_t xs = base + st * stage_bytes, ds = xs + 8 * x_plane;
       const uint16_t* xi = x + static_cast<size_t>(img) * hw * 64;
       const uint16_t* di = dy + static_cast<size_t>(img) * hw * 64;
-      for (int i = lane; i < hw * 8; i += 32) {
+      for (int i = t; i < hw * 8; i += 128) {
         const int p = i >> 3, g = i & 7, py = p / w, px = p - py * w;
         cp_async16(xs + g * x_plane + ((py + 1) * pitch + px + 1) * 16, xi + p * 64 + g * 8);
         cp_async16(ds + g * dy_plane + p * 16, di + p * 64 + g * 8);
@@ -168,6 +172,7 @@ __global__ void __maxnreg__(152)
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
   }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 152;\n" ::: "memory");
 
   float acc[3][32];
 #pragma unroll
@@ -304,7 +309,7 @@ cudaError_t wgrad_wgmma(const Conv2dProblem& p, ConvDType dtype, const void* dy,
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   float* partial = static_cast<float*>(workspace);
-  kernel<<<grid, kThreads + 32, smem, stream>>>(static_cast<const uint16_t*>(dy), static_cast<const uint16_t*>(x),
+  kernel<<<grid, kThreads + 128, smem, stream>>>(static_cast<const uint16_t*>(dy), static_cast<const uint16_t*>(x),
                                                  partial, p.n, p.h, p.w, l.x_plane, l.dy_plane,
                                                  l.stages(limit));
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
