@@ -156,16 +156,23 @@ __global__ void __launch_bounds__(kThreads + 128, 1)
     const int t = tid - kThreads;
     // The loading warpgroup: eight threads copy the eight 16-byte chunks of one pixel, a pass of the warp four whole
     // 128-byte pixel rows (coalesced reads; the 8 chunks land in 8 bank groups).
+    // Thread t copies chunk g = t % 8 of pixels t / 8, t / 8 + 16, ...: with w % 16 == 0 a step of 16 pixels keeps
+    // the column and moves a row every w / 16 steps, so the addresses advance by constants (no division: these
+    // warps share the schedulers with the MMA warps).
+    const int g = t & 7, p_first = t >> 3;
     for (int it = 0, img = blockIdx.x; img < n; ++it, img += stride) {
       const int st = it % stages, use = it / stages;
       if (use > 0) mbar_wait(smem_u32(&empty[st]), (use - 1) & 1);
-      const uint32_t xs = base + st * stage_bytes, ds = xs + 8 * x_plane;
-      const uint16_t* xi = x + static_cast<size_t>(img) * hw * 64;
-      const uint16_t* di = dy + static_cast<size_t>(img) * hw * 64;
-      for (int i = t; i < hw * 8; i += 128) {
-        const int p = i >> 3, g = i & 7, py = p / w, px = p - py * w;
-        cp_async16(xs + g * x_plane + ((py + 1) * pitch + px + 1) * 16, xi + p * 64 + g * 8);
-        cp_async16(ds + g * dy_plane + p * 16, di + p * 64 + g * 8);
+      const uint32_t xs = base + st * stage_bytes;
+      uint32_t xd = xs + g * x_plane + ((p_first / w + 1) * pitch + p_first % w + 1) * 16;
+      uint32_t dd = xs + 8 * x_plane + g * dy_plane + p_first * 16;
+      const uint16_t* src_x = x + (static_cast<size_t>(img) * hw + p_first) * 64 + g * 8;
+      const uint16_t* src_dy = dy + (static_cast<size_t>(img) * hw + p_first) * 64 + g * 8;
+      for (int p = p_first, px = p_first % w; p < hw; p += 16) {
+        cp_async16(xd, src_x);
+        cp_async16(dd, src_dy);
+        src_x += 16 * 64, src_dy += 16 * 64, dd += 16 * 16, xd += 16 * 16;
+        if ((px += 16) >= w) px -= w, xd += 2 * 16;  // the next row: skip the two halo columns
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&full[st])) : "memory");
     }
@@ -188,22 +195,27 @@ __global__ void __launch_bounds__(kThreads + 128, 1)
     const int st = it % stages, use = it / stages;
     mbar_wait(smem_u32(&full[st]), use & 1);
     fence_proxy_async();  // the copies were generic-proxy writes; the MMAs read through the async proxy
-    const uint32_t xs = base + st * stage_bytes, ds = xs + 8 * x_plane;
     // K steps in pairs, so that the two fragment buffers have fixed registers: buffer j is reloaded only after the
-    // wait that completes the MMAs of two steps before (wait_group 1 leaves the previous step's MMAs running).
+    // wait that completes the MMAs of two steps before (wait_group 1 leaves the previous step's MMAs running). The
+    // addresses advance by constants, computed off the path from that wait to the next MMAs.
+    const uint32_t xs = base + st * stage_bytes;
+    uint32_t a_addr = xs + 8 * x_plane + a_lane;
+    uint32_t b_addr = xs + wg * pitch * 16;  // tap (r = wg, s = 0) of pixels (0, 0..15): halo pixel (y + r, x0 + s)
+    int px = 0;
     for (int kb = 0; kb < ksteps; kb += 2) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         if (kb + j == ksteps) break;  // an odd number of steps (h odd, w = 16)
-        const int p0 = (kb + j) * 16, py = p0 / w, px = p0 - py * w;
+        const uint64_t desc = desc_mn(b_addr, x_plane);
         wgmma_wait<1>();
         hold(a[j]);
-        ldsm_x4_trans(a[j], ds + a_lane + p0 * 16);
-        const uint32_t b = xs + ((py + wg) * pitch + px) * 16;  // tap (r = wg, s = 0): halo pixel (y + r, x0 + s)
+        ldsm_x4_trans(a[j], a_addr);
         wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < 3; ++s) wgmma_m64n64k16_rs<kBf16>(acc[s], a[j], desc_mn(b + 16 * s, x_plane));
+        for (int s = 0; s < 3; ++s) wgmma_m64n64k16_rs<kBf16>(acc[s], a[j], desc + s);  // tap s: 16 bytes on
         wgmma_commit();
+        a_addr += 16 * 16, b_addr += 16 * 16;
+        if ((px += 16) == w) px = 0, b_addr += 2 * 16;
       }
     }
     wgmma_wait<0>();
