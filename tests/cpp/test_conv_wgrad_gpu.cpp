@@ -366,12 +366,15 @@ struct WgmmaCase {
   const char* name;
   Conv2dProblem problem;
 };
-// More images than an H100 has SMs (CTAs loop over images through both shared-memory stages), a wide non-square
-// image, an odd number of 16-pixel K steps per image (h = 5, w = 16), and one image.
+// More images than an H100 has SMs (CTAs loop over images through every shared-memory stage), a wide non-square
+// image, a number of 16-pixel K steps per image that is not a multiple of four (h = 5, w = 16: the kernel's step
+// groups), fewer than four steps (h = 3: a stage is released at its image's end, not during the next image), and one
+// image.
 const WgmmaCase kWgmmaCases[] = {
     {"n300_16x16", conv3x3(300, 16, 64, 64, 1)},
     {"n7_8x32", wgrad_problem(7, 8, 32, 64, 64, 3, 3, 1, 1)},
     {"n137_5x16", wgrad_problem(137, 5, 16, 64, 64, 3, 3, 1, 1)},
+    {"n400_3x16", wgrad_problem(400, 3, 16, 64, 64, 3, 3, 1, 1)},
     {"n1_16x16", conv3x3(1, 16, 64, 64, 1)},
 };
 

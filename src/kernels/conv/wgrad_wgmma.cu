@@ -190,25 +190,34 @@ __global__ void __launch_bounds__(kThreads + 128, 1)
   // This lane's ldmatrix row of dy^T: x4 matrices 0..3 = (channels +0, pixels +0), (+8, +0), (+0, +8), (+8, +8).
   const uint32_t a_lane = (2 * wq + ((lane >> 3) & 1)) * dy_plane + ((lane & 7) + ((lane >> 4) << 3)) * 16;
   const int ksteps = hw / 16;
-  uint32_t a[2][4] = {};
+  // Four fragment buffers with fixed registers (K steps in groups of four): buffer j is reloaded only after the wait
+  // that completes the MMAs of four steps before (wait_group 3 leaves the last three steps' MMAs running).
+  constexpr int kBuffers = 4;
+  uint32_t a[kBuffers][4] = {};
+  // A stage is released (empty) once its MMAs are complete. With four steps or more per image that is known at the
+  // next image's fourth step, so the MMAs need not drain at each image's end; with fewer, they drain.
+  const bool defer_release = ksteps >= kBuffers;
+  int pending = -1;  // the stage whose release waits for its MMAs
   for (int it = 0, img = blockIdx.x; img < n; ++it, img += stride) {
     const int st = it % stages, use = it / stages;
     mbar_wait(smem_u32(&full[st]), use & 1);
     fence_proxy_async();  // the copies were generic-proxy writes; the MMAs read through the async proxy
-    // K steps in pairs, so that the two fragment buffers have fixed registers: buffer j is reloaded only after the
-    // wait that completes the MMAs of two steps before (wait_group 1 leaves the previous step's MMAs running). The
-    // addresses advance by constants, computed off the path from that wait to the next MMAs.
+    // The addresses advance by constants, computed off the path from a wait to the next MMAs.
     const uint32_t xs = base + st * stage_bytes;
     uint32_t a_addr = xs + 8 * x_plane + a_lane;
     uint32_t b_addr = xs + wg * pitch * 16;  // tap (r = wg, s = 0) of pixels (0, 0..15): halo pixel (y + r, x0 + s)
     int px = 0;
-    for (int kb = 0; kb < ksteps; kb += 2) {
+    for (int kb = 0; kb < ksteps; kb += kBuffers) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        if (kb + j == ksteps) break;  // an odd number of steps (h odd, w = 16)
+      for (int j = 0; j < kBuffers; ++j) {
+        if (kb + j == ksteps) break;  // a number of steps that is not a multiple of four
         const uint64_t desc = desc_mn(b_addr, x_plane);
-        wgmma_wait<1>();
+        wgmma_wait<kBuffers - 1>();
         hold(a[j]);
+        if (kb + j == kBuffers - 1 && pending >= 0) {  // the previous image's MMAs are complete
+          mbar_arrive(smem_u32(&empty[pending]));
+          pending = -1;
+        }
         ldsm_x4_trans(a[j], a_addr);
         wgmma_fence();
 #pragma unroll
@@ -218,13 +227,20 @@ __global__ void __launch_bounds__(kThreads + 128, 1)
         if ((px += 16) == w) px = 0, b_addr += 2 * 16;
       }
     }
-    wgmma_wait<0>();
+    if (defer_release) {
+      pending = st;
+    } else {
+      wgmma_wait<0>();
 #pragma unroll
-    for (int s = 0; s < 3; ++s) hold(acc[s]);
-    hold(a[0]);
-    hold(a[1]);
-    mbar_arrive(smem_u32(&empty[st]));  // this thread's MMAs have read the stage
+      for (int j = 0; j < kBuffers; ++j) hold(a[j]);
+      mbar_arrive(smem_u32(&empty[st]));  // this thread's MMAs have read the stage
+    }
   }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int s = 0; s < 3; ++s) hold(acc[s]);
+#pragma unroll
+  for (int j = 0; j < kBuffers; ++j) hold(a[j]);
 
   // acc[s][4 j + e] of warp wq: output channel k = 16 wq + lane / 4 + 8 (e >> 1), input channel c = 8 j + 2 (lane % 4)
   // + (e & 1).
