@@ -190,8 +190,10 @@ __global__ void __launch_bounds__(kThreads + 128, 1)
   // This lane's ldmatrix row of dy^T: x4 matrices 0..3 = (channels +0, pixels +0), (+8, +0), (+0, +8), (+8, +8).
   const uint32_t a_lane = (2 * wq + ((lane >> 3) & 1)) * dy_plane + ((lane & 7) + ((lane >> 4) << 3)) * 16;
   const int ksteps = hw / 16;
-  // Four fragment buffers with fixed registers (K steps in groups of four): buffer j is reloaded only after the wait
-  // that completes the MMAs of four steps before (wait_group 3 leaves the last three steps' MMAs running).
+  // Four fragment buffers with fixed registers (K steps in groups of four). Step k's fragment is loaded during step
+  // k - 1, after that step's MMAs are issued and the wait (wait_group 3) that completes the MMAs of step k - 4, the
+  // buffer's previous reader; so the load's latency (shared memory is busy with the MMAs' B reads) is hidden by a
+  // step, and three steps of MMAs stay in flight.
   constexpr int kBuffers = 4;
   uint32_t a[kBuffers][4] = {};
   // A stage is released (empty) once its MMAs are complete. With four steps or more per image that is known at the
@@ -207,24 +209,37 @@ __global__ void __launch_bounds__(kThreads + 128, 1)
     uint32_t a_addr = xs + 8 * x_plane + a_lane;
     uint32_t b_addr = xs + wg * pitch * 16;  // tap (r = wg, s = 0) of pixels (0, 0..15): halo pixel (y + r, x0 + s)
     int px = 0;
+    // Step 0 uses buffer 0, last read by the previous image's step 4 * floor((ksteps - 1) / 4), which has
+    // (ksteps - 1) % 4 groups of MMAs after it.
+    switch ((ksteps - 1) & 3) {
+      case 0: wgmma_wait<0>(); break;
+      case 1: wgmma_wait<1>(); break;
+      case 2: wgmma_wait<2>(); break;
+      default: wgmma_wait<3>(); break;
+    }
+    hold(a[0]);
+    ldsm_x4_trans(a[0], a_addr);
     for (int kb = 0; kb < ksteps; kb += kBuffers) {
 #pragma unroll
       for (int j = 0; j < kBuffers; ++j) {
-        if (kb + j == ksteps) break;  // a number of steps that is not a multiple of four
+        const int k = kb + j;
+        if (k == ksteps) break;  // a number of steps that is not a multiple of four
         const uint64_t desc = desc_mn(b_addr, x_plane);
-        wgmma_wait<kBuffers - 1>();
-        hold(a[j]);
-        if (kb + j == kBuffers - 1 && pending >= 0) {  // the previous image's MMAs are complete
-          mbar_arrive(smem_u32(&empty[pending]));
-          pending = -1;
-        }
-        ldsm_x4_trans(a[j], a_addr);
         wgmma_fence();
 #pragma unroll
         for (int s = 0; s < 3; ++s) wgmma_m64n64k16_rs<kBf16>(acc[s], a[j], desc + s);  // tap s: 16 bytes on
         wgmma_commit();
         a_addr += 16 * 16, b_addr += 16 * 16;
         if ((px += 16) == w) px = 0, b_addr += 2 * 16;
+        wgmma_wait<kBuffers - 1>();  // steps k - 3 and before are complete
+        if (k == kBuffers - 1 && pending >= 0) {  // so are the previous image's MMAs
+          mbar_arrive(smem_u32(&empty[pending]));
+          pending = -1;
+        }
+        if (k + 1 < ksteps) {
+          hold(a[(j + 1) % kBuffers]);
+          ldsm_x4_trans(a[(j + 1) % kBuffers], a_addr);
+        }
       }
     }
     if (defer_release) {
