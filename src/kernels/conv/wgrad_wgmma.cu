@@ -1,6 +1,6 @@
 // The Hopper weight gradient of 3x3 / 64 -> 64 convolutions on small images (wgrad_wgmma.h). sm_90a only: wgmma.
 //
-// Shared memory, per stage (two stages: one image computes while the next one loads):
+// Shared memory, per stage (three where they fit, else two: one image computes while the next ones load):
 //   x:  8 planes (one per 16-byte channel group), each the (h+2) x (w+2) haloed image, one 16-byte chunk per pixel;
 //   dy: 8 planes of the h x w image, the same way.
 // A plane is 16 bytes longer than a multiple of 128 bytes, so the 8 chunks of one pixel (one 128-byte global row)
@@ -14,6 +14,10 @@
 // A = dy^T (M = 64 output channels) goes to registers with ldmatrix.trans once per K step and is shared by the three
 // taps s of the warpgroup's filter row r (wgmma's register-A form: B alone is read from shared memory, 6 KB per
 // 3 MMAs instead of 12 KB).
+//
+// Speed (H100, batch 2048, 16 x 16): ~105 us against cuDNN's 99 and the CUTLASS 2.x split-K candidates' 242; the
+// tensor pipe is active half the time, the loads (16-byte cp.async scattered into the planes) are what limits it
+// (PERF.md session 18). The tuner chooses among them.
 #include "kernels/conv/wgrad_wgmma.h"
 
 #include <cstdint>
@@ -128,7 +132,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
 // arriving when its own cp.async complete); empty[st] when the 384 compute threads have finished reading it.
 // 512 threads (a fourth warpgroup loads): each SM sub-partition holds one warp of each warpgroup and 16K registers,
 // so the launch gives 128 per thread and the warpgroups then trade them (setmaxnreg): the loaders keep 40, the compute
-// warps take 152 (at 128 ptxas serializes their MMAs; 40 + 3 x 152 <= 512 per sub-partition lane).
+// warps take 152 (at 128 ptxas serializes their MMAs; 40 + 3 x 152 = 496 <= 512 registers per sub-partition lane).
 template <bool kBf16>
 __global__ void __launch_bounds__(kThreads + 128, 1)
     wgrad3x3_c64_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x, float* __restrict__ partial,
