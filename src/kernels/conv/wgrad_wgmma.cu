@@ -22,12 +22,15 @@
 
 #include <cstdint>
 
+#include "kernels/shared_memory_ptx.cuh"
+
 namespace kfuse::kernels {
 namespace {
 
 constexpr int kThreads = 384;                 // compute: three warpgroups, filter rows r = 0, 1, 2 (+ one loading)
 constexpr int kFilterElems = 64 * 3 * 3 * 64;  // KRSC
-constexpr int kMaxSmem = 227 * 1024 - 1024;    // Hopper's opt-in shared memory per block, less the static part
+constexpr int kHopperSmem = 227 * 1024;        // Hopper's opt-in shared memory per block
+constexpr int kSmemReserve = 1024;             // the kernel's static shared memory (stage barriers), rounded up
 constexpr int kMaxStages = 3;
 
 int round_up(int v, int m) { return (v + m - 1) / m * m; }
@@ -48,18 +51,10 @@ struct Layout {
 #endif
 
 #ifdef KFUSE_WGRAD_WGMMA_DEVICE
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
+using ptx::cp_async16;
+using ptx::ldsm_x4_trans;
+using ptx::smem_u32;
+
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -314,22 +309,27 @@ std::string problem_reason(const Conv2dProblem& p, ConvDType dtype) {
     return "3x3 filters, stride 1, padding 1 only";
   if (p.n < 1 || p.h < 1 || p.w < 1) return "empty batch or image";
   if (p.w % 16 != 0) return "the image width must be a multiple of 16";
-  if (2 * Layout(p.h, p.w).stage > kMaxSmem) return "the image is too large for two stages in shared memory";
+  if (2 * Layout(p.h, p.w).stage > kHopperSmem - kSmemReserve) return "the image is too large for two stages in shared memory";
   return "";
 }
 
 int grid_size(const Conv2dProblem& p, const DeviceInfo& d) { return p.n < d.sms ? p.n : d.sms; }
 
+// Why problem p cannot run on the current device ("" if it can); d receives the device's properties.
+std::string refusal(const Conv2dProblem& p, ConvDType dtype, DeviceInfo& d) {
+  std::string reason = problem_reason(p, dtype);
+  if (!reason.empty()) return reason;
+  if (!device_info(d)) return "no CUDA device";
+  if (d.major != 9 || d.minor != 0) return "needs compute capability 9.0 (sm_90a wgmma)";
+  if (2 * Layout(p.h, p.w).stage > d.smem_optin - kSmemReserve) return "the device's shared memory is too small";
+  return "";
+}
+
 }  // namespace
 
 bool wgrad_wgmma_can_implement(const Conv2dProblem& p, ConvDType dtype, std::string* why) {
-  std::string reason = problem_reason(p, dtype);
   DeviceInfo d;
-  if (reason.empty()) {
-    if (!device_info(d)) reason = "no CUDA device";
-    else if (d.major != 9 || d.minor != 0) reason = "needs compute capability 9.0 (sm_90a wgmma)";
-    else if (2 * Layout(p.h, p.w).stage > d.smem_optin - 1024) reason = "the device's shared memory is too small";
-  }
+  const std::string reason = refusal(p, dtype, d);
   if (why != nullptr) *why = reason;
   return reason.empty();
 }
@@ -342,15 +342,14 @@ size_t wgrad_wgmma_workspace_bytes(const Conv2dProblem& p, ConvDType dtype) {
 
 cudaError_t wgrad_wgmma(const Conv2dProblem& p, ConvDType dtype, const void* dy, const void* x, float* dw,
                         void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (!wgrad_wgmma_can_implement(p, dtype)) return cudaErrorInvalidValue;
+  DeviceInfo d;
+  if (!refusal(p, dtype, d).empty()) return cudaErrorInvalidValue;
   auto aligned = [](const void* ptr) { return ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   if (!aligned(dy) || !aligned(x) || !aligned(dw) || !aligned(workspace)) return cudaErrorInvalidValue;
-  DeviceInfo d;
-  if (!device_info(d)) return cudaErrorInvalidDevice;
   const int grid = grid_size(p, d);
   if (workspace_bytes < static_cast<size_t>(grid) * kFilterElems * sizeof(float)) return cudaErrorInvalidValue;
   const Layout l(p.h, p.w);
-  const int limit = (d.smem_optin < kMaxSmem + 1024 ? d.smem_optin : kMaxSmem + 1024) - 1024;
+  const int limit = d.smem_optin - kSmemReserve;
   const int smem = l.smem(limit);
   auto kernel = dtype == ConvDType::kBF16 ? wgrad3x3_c64_kernel<true> : wgrad3x3_c64_kernel<false>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

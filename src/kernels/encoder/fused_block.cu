@@ -29,6 +29,7 @@
 #include "kernels/encoder/encoder_kernels.h"
 #include "kernels/encoder/numeric.cuh"
 #include "kernels/programmatic_launch.h"
+#include "kernels/shared_memory_ptx.cuh"
 
 namespace kfuse::kernels {
 namespace {
@@ -53,23 +54,11 @@ __host__ __device__ constexpr size_t smem_bytes_for(int halo_pixels) {
   return size_t(2) * kFilterBytes + size_t(halo_pixels) * kRowBytes + sizeof(float) * kScratchFloats;
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
+using ptx::cp_async16;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::ldsm_x4;
+using ptx::smem_u32;
 
 // Byte offset of 16-byte chunk c of row r in a swizzled array of `pitch`-byte rows.
 __device__ __forceinline__ uint32_t swz(int r, int c, int pitch) {

@@ -46,6 +46,7 @@
 #include "kernels/encoder/backward_kernels.h"
 #include "kernels/encoder/numeric.cuh"
 #include "kernels/encoder/stem_input.cuh"
+#include "kernels/shared_memory_ptx.cuh"
 
 namespace kfuse::kernels {
 namespace {
@@ -85,25 +86,12 @@ struct Params {
 };
 
 // ---- tensor-core helpers ---------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
-               : "memory");
-}
+using ptx::ldsm_x4;
+using ptx::ldsm_x4_trans;
 __device__ __forceinline__ void ldsm_x2_trans(uint32_t (&r)[2], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
-               : "r"(smem_addr(p))
+               : "r"(ptx::smem_u32(p))
                : "memory");
 }
 
