@@ -100,8 +100,12 @@ class EncoderGpu {
   // How many blocks of the inference forward on H x W inputs run as one fused kernel each (conv1, conv2 and the
   // squeeze-excite of a 64-channel identity-shortcut block with its image on chip: block 1 at up to 64 x 64 inputs).
   // Where the device has the shared memory for it (227 KB per block: Hopper), unless the environment sets
-  // KFUSE_FUSED_BLOCK=0 when the encoder is created. The training step never fuses: its backward needs h2 and o.
+  // KFUSE_FUSED_BLOCK=0 when the encoder is created.
   int fused_block_count(int h, int w) const;
+  // How many of those run as the Hopper warpgroup-MMA kernel (compute capability 9.0, 16 x 16 maps: 64 x 64 inputs),
+  // which the training forward also uses (writing the backward's stash), unless the environment sets
+  // KFUSE_WGMMA_BLOCK=0 (or KFUSE_FUSED_BLOCK=0) when the encoder is created.
+  int wgmma_block_count(int h, int w) const;
   // How many blocks of the training step on n x C x h x w inputs run conv1 with its FixUp epilogue as one cuDNN graph
   // (and how many also conv2's data gradient with the ReLU mask), as decided at that geometry's first forward_train;
   // {0, 0} before it. KFUSE_CUDNN_FUSED (read when the training state is created) chooses: 1 where the tuner runs

@@ -68,6 +68,13 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
     KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_BLOCK must be 0 (off) or 1, got '", on, "'");
     m.fuse_blocks = on == "1";
   }
+  if (const char* v = std::getenv("KFUSE_WGMMA_BLOCK"); v && *v) {
+    const std::string on = v;
+    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_WGMMA_BLOCK must be 0 (off) or 1, got '", on, "'");
+    m.wgmma_blocks = on == "1";
+  }
+  m.cc_major = info.major;
+  m.cc_minor = info.minor;
   int optin = 0;
   check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
              "cudaDeviceGetAttribute");
@@ -121,7 +128,18 @@ int EncoderGpu::fused_block_count(int h, int w) const {
   int count = 0;
   h /= 4, w /= 4;
   for (size_t i = 0; i < m.blocks.size(); ++i) {
-    count += m.fused_block_applies(i, h, w) ? 1 : 0;
+    count += m.fused_block_applies(i, h, w) || m.wgmma_block_applies(i, h, w) ? 1 : 0;
+    h /= m.blocks[i].stride, w /= m.blocks[i].stride;
+  }
+  return count;
+}
+int EncoderGpu::wgmma_block_count(int h, int w) const {
+  const Impl& m = *impl_;
+  m.config.output_shape({1, m.config.in_channels, h, w});  // validates H and W
+  int count = 0;
+  h /= 4, w /= 4;
+  for (size_t i = 0; i < m.blocks.size(); ++i) {
+    count += m.wgmma_block_applies(i, h, w) ? 1 : 0;
     h /= m.blocks[i].stride, w /= m.blocks[i].stride;
   }
   return count;

@@ -215,6 +215,10 @@ struct EncoderGpu::Impl {
   // Blocks that fit kernels::launch_fused_block run as that one kernel in the inference forward (KFUSE_FUSED_BLOCK=0:
   // never; the A/B switch of PERF.md session 15).
   bool fuse_blocks = true;
+  // Where they apply (Hopper, 16 x 16 maps), such blocks run as the warpgroup-MMA kernel instead, in inference and in
+  // the training forward (kernels::launch_fused_block_wgmma); KFUSE_WGMMA_BLOCK=0: never (the A/B switch).
+  bool wgmma_blocks = true;
+  int cc_major = 0, cc_minor = 0;
   size_t smem_optin = 0;  // the device's shared memory per block with opt-in
   std::map<Geometry, Activations> activations;
   std::map<GraphKey, Graph> graphs;
@@ -503,12 +507,20 @@ struct EncoderGpu::Impl {
   // 64 -> 64 channels, hidden = 4, an image small enough for the kernel and the device's shared memory, and a next
   // block (the last block's squeeze-excite writes the caller's NCHW output; the fused kernel does not).
   bool fused_block_applies(size_t i, int h, int w) const {
-    const auto& b = blocks[i];
-    if (!fuse_blocks || i + 1 >= blocks.size() || b.has_downsample || b.stride != 1 || b.in_planes != 64 ||
-        b.planes != 64 || b.se_hidden != 4)
-      return false;
+    if (!fusable_block(i)) return false;
     const size_t smem = kernels::fused_block_smem_bytes(h, w);
     return smem != 0 && smem <= smem_optin;
+  }
+  // Whether block i, whose input is h x w, runs as the Hopper warpgroup-MMA kernel (inference and training forward).
+  bool wgmma_block_applies(size_t i, int h, int w) const {
+    if (!wgmma_blocks || !fusable_block(i)) return false;
+    const size_t smem = kernels::fused_block_wgmma_smem_bytes(h, w, cc_major, cc_minor);
+    return smem != 0 && smem <= smem_optin;
+  }
+  bool fusable_block(size_t i) const {
+    const auto& b = blocks[i];
+    return fuse_blocks && i + 1 < blocks.size() && !b.has_downsample && b.stride == 1 && b.in_planes == 64 &&
+           b.planes == 64 && b.se_hidden == 4;
   }
 
   // Launches the whole forward on `stream` (also used under stream capture).
@@ -535,7 +547,9 @@ struct EncoderGpu::Impl {
       const BlockWeights& W = bw[i];
       const float* s = fptr(W.scalars);
       const auto probs = problems(b, g.n, h, w);
-      if (!act.training && fused_block_applies(i, h, w)) {
+      // The training forward's fused block writes the backward's stash (h where kept, h2, conv2's raw output).
+      const bool wgmma = wgmma_block_applies(i, h, w) && (!act.training || act.conv2_raw);
+      if (wgmma || (!act.training && fused_block_applies(i, h, w))) {
         kernels::FusedBlockArgs fb;
         fb.a = act.a[i];
         fb.identity = act.x[i];
@@ -552,8 +566,17 @@ struct EncoderGpu::Impl {
         fb.a_next = act.a[i + 1];
         fb.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
         if (!blocks[i + 1].has_downsample) fb.y = act.x[i + 1];
+        if (!act.y.empty() && act.y[i]) fb.y = act.y[i];
+        if (act.training) {
+          fb.h_out = i < act.h.size() ? act.h[i] : nullptr;
+          fb.h2_out = act.h2[i];
+          fb.v_out = act.o[i];
+        }
         kernels::PdlScope fused_scope(chain);
-        check_cuda(kernels::launch_fused_block(fb, dtype, stream), "fused block kernel");
+        if (wgmma)
+          check_cuda(kernels::launch_fused_block_wgmma(fb, dtype, sm_count, stream), "fused block kernel (wgmma)");
+        else
+          check_cuda(kernels::launch_fused_block(fb, dtype, stream), "fused block kernel");
         continue;  // stride 1: h and w stay
       }
       if (b.has_downsample) {  // fork: the shortcut needs only a[i], like conv1

@@ -288,8 +288,12 @@ void choose_cudnn_fused(const EncoderGpu::Impl& m, const TrainingState& t, const
   for (size_t i = 0; i < nb; ++i) {
     const BlockProblems& bp = probs[i];
     const auto& b = m.blocks[i];
-    if (t.cudnn_fused == TrainingState::CudnnFused::kWhereCudnn && !m.choose(bp.conv1, true).is_cudnn()) continue;
-    fwd[i] = kernels::cudnn_fused_prepare(kernels::CudnnFusedOp::kConvRelu, bp.conv1, m.dtype);
+    // A block that runs as the warpgroup-MMA kernel writes h itself (no conv1 graph): it keeps h for the data
+    // gradient's graph wherever that graph exists.
+    const bool wgmma = m.wgmma_block_applies(i, bp.conv1.h, bp.conv1.w);
+    if (!wgmma && t.cudnn_fused == TrainingState::CudnnFused::kWhereCudnn && !m.choose(bp.conv1, true).is_cudnn())
+      continue;
+    fwd[i] = wgmma || kernels::cudnn_fused_prepare(kernels::CudnnFusedOp::kConvRelu, bp.conv1, m.dtype);
     const DgradChoice d2 = dgrad_for(m, t, bp.conv2);
     const bool dense = d2.kind == DgradChoice::Kind::kFlippedForward && d2.fprop.dense;
     bwd[i] = fwd[i] && !dense &&

@@ -185,6 +185,45 @@ def test_fused_block_matches_separate_kernels(make_reference, monkeypatch, preci
     assert rel_err(outs["1"], outs["0"].double()) <= TOL
 
 
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability(0) == (9, 0)
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_wgmma_block_matches_float64_reference(make_reference, monkeypatch, precision, n):
+    """Block 1 on Hopper warpgroup MMAs (KFUSE_WGMMA_BLOCK=1: a persistent kernel, so n = 300 gives some CTAs three
+    images and others two) against the mma.sync fused block (KFUSE_WGMMA_BLOCK=0) and the float64 reference, outputs
+    poisoned with NaN first; twice, bit for bit. Elsewhere than on compute capability 9.0 the kernel must not be
+    chosen."""
+    ref = make_reference(in_channels=3, seed=400 + n)
+    enc = kfuse.ResNetEncoder.from_torch(ref)
+    params = [p.detach().float().contiguous() for p in enc.parameters()]
+    stream = torch.cuda.current_stream().cuda_stream
+    dtype = getattr(torch, precision)
+    x = torch.rand(n, 3, 64, 64, generator=torch.Generator().manual_seed(n))
+    xd = x.cuda().to(dtype)
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("KFUSE_WGMMA_BLOCK", on)  # read when the engine is created
+        engine = _C.EncoderGpu(enc.config, precision, 0)
+        engine.set_weights(params)
+        assert engine.wgmma_block_count(64, 64) == (1 if on == "1" and _hopper() else 0), f"KFUSE_WGMMA_BLOCK={on}"
+        ys = []
+        for _ in range(2):
+            y = torch.full((n, 512, 2, 2), float("nan"), device="cuda", dtype=dtype)
+            engine.forward(xd, y, stream)
+            torch.cuda.synchronize()
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]), f"KFUSE_WGMMA_BLOCK={on}: not reproducible"
+        outs[on] = ys[0]
+    y64 = reference64(ref, x)
+    for on, y in outs.items():
+        assert not torch.isnan(y).any(), f"KFUSE_WGMMA_BLOCK={on}"
+        assert rel_err(y, y64) <= TOL, f"KFUSE_WGMMA_BLOCK={on}"
+    assert rel_err(outs["1"], outs["0"].double()) <= TOL
+
+
 def test_weights_update_is_picked_up(make_reference):
     ref = make_reference(in_channels=1, seed=12)
     enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)

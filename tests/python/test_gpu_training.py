@@ -143,6 +143,7 @@ def test_cudnn_graph_epilogues_match_float64_reference(make_reference, monkeypat
     not only where the tuner picks cuDNN. The engine must report them in use; the gradients are held to the float64
     oracle as in the test above."""
     monkeypatch.setenv("KFUSE_CUDNN_FUSED", "all")  # read when the engine's training state is created
+    monkeypatch.setenv("KFUSE_WGMMA_BLOCK", "0")  # block 1's forward through the cuDNN graph, not the Hopper kernel
     c, n, seed = 3, 33, 2600 + (precision == torch.bfloat16)
     ref = make_reference(in_channels=c, seed=seed)
     if precision == torch.bfloat16:
@@ -158,6 +159,37 @@ def test_cudnn_graph_epilogues_match_float64_reference(make_reference, monkeypat
     assert fwd == 4 and bwd >= 3, f"cuDNN graphs in {fwd} forward / {bwd} backward blocks"  # block 4: maybe dense
     assert rel_err(y, y_ref) <= 1e-2
     assert_grads_close(g, g_ref, torch_mixed_grads(ref, x, dy, precision, realizations=3))
+
+
+@pytest.mark.parametrize("precision", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 300])
+def test_wgmma_block_gradients_match_float64_reference(make_reference, monkeypatch, precision, n):
+    """Block 1 of the training forward as the Hopper warpgroup-MMA kernel (KFUSE_WGMMA_BLOCK=1), which writes the
+    backward's stash (h, h2, conv2's raw output) and the next block's input: every gradient against the float64
+    oracle as above, and against the same step with block 1 as separate kernels (KFUSE_WGMMA_BLOCK=0). n = 300: more
+    images than SMs, so each persistent CTA runs several."""
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the warpgroup-MMA block needs compute capability 9.0")
+    c, seed = 3, 2700 + n + (precision == torch.bfloat16)
+    ref = make_reference(in_channels=c, seed=seed)
+    if precision == torch.bfloat16:
+        ref = ref.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, c, 64, 64, generator=gen)
+    dy = away_from_kinks(ref, x, loss_gradient(n, gen))
+    y_ref, g_ref, _ = reference_grads(ref, x, dy)
+    runs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("KFUSE_WGMMA_BLOCK", on)  # read when the engine is created
+        enc = kfuse.ResNetEncoder.from_torch(ref).cuda().train()
+        runs[on] = kfuse_grads(enc, x.cuda().to(ref.stem[1].weight.dtype), dy.cuda())
+        gpu = next(iter(enc._gpu_engines.values()))[0]
+        assert gpu.wgmma_block_count(64, 64) == int(on), f"KFUSE_WGMMA_BLOCK={on}"
+    mixed = torch_mixed_grads(ref, x, dy, precision, realizations=3)
+    for on, (y, g, _) in runs.items():
+        assert rel_err(y, y_ref) <= 1e-2, f"KFUSE_WGMMA_BLOCK={on}"
+        assert_grads_close(g, g_ref, mixed)
+    assert rel_err(runs["1"][0], runs["0"][0].double()) <= 1e-2
 
 
 def test_gradients_at_training_batch(make_reference):

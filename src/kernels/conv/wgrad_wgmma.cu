@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "kernels/shared_memory_ptx.cuh"
+#include "kernels/wgmma_ptx.cuh"
 
 namespace kfuse::kernels {
 namespace {
@@ -55,42 +56,18 @@ using ptx::cp_async16;
 using ptx::ldsm_x4_trans;
 using ptx::smem_u32;
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Spins until the barrier's phase of the given parity has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from touching registers an MMA in flight reads or writes before the wait that completes it.
-__device__ __forceinline__ void hold(float (&d)[32]) {
-#pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-__device__ __forceinline__ void hold(uint32_t (&a)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
-}
-// MN-major operand without swizzle: start address, leading byte offset = the next 8 K rows (128 bytes: the next 8
-// pixels), stride byte offset = the next 8 MN columns (the next channel plane); all in 16-byte units.
+using ptx::fence_proxy_async;
+using ptx::hold;
+using ptx::mbar_arrive;
+using ptx::mbar_init;
+using ptx::mbar_wait;
+using ptx::wgmma_commit;
+using ptx::wgmma_fence;
+using ptx::wgmma_wait;
+// MN-major operand without swizzle: leading byte offset = the next 8 K rows (128 bytes: the next 8 pixels), stride
+// byte offset = the next 8 MN columns (the next channel plane).
 __device__ __forceinline__ uint64_t desc_mn(uint32_t addr, uint32_t plane_bytes) {
-  return static_cast<uint64_t>((addr >> 4) & 0x3fffu) | (static_cast<uint64_t>(128 >> 4) << 16) |
-         (static_cast<uint64_t>((plane_bytes >> 4) & 0x3fffu) << 32);
+  return ptx::smem_desc(addr, 128, plane_bytes);
 }
 
 #define KFUSE_WGMMA_D32                                                                                             \

@@ -77,10 +77,23 @@ struct FusedBlockArgs {
   void* y = nullptr;
   const float* next_b1a = nullptr;
   void* a_next = nullptr;
+  // The training forward's stash (launch_fused_block_wgmma only; null: not written), NHWC like a: h = relu(conv1 +
+  // b1b), h2 = h + b2a (faithful where h > 0) and conv2's raw output v = T(conv2(h2)), whose readers apply o = T(v *
+  // scale + b2b) (numeric.cuh affine1; the squeeze-excite here does the same).
+  void* h_out = nullptr;
+  void* h2_out = nullptr;
+  void* v_out = nullptr;
 };
 // Dynamic shared memory the fused block needs for an h x w image; 0 where the kernel does not take that size (more
 // than 256 pixels, a pixel count not a multiple of 16, or a halo of more than 640 pixels).
 size_t fused_block_smem_bytes(int h, int w);
 cudaError_t launch_fused_block(const FusedBlockArgs& args, ConvDType dtype, cudaStream_t stream);
+
+// The same block on Hopper warpgroup MMAs (fused_block_wgmma.cu, sm_90a), persistent (min(n, sm_count) CTAs, images
+// strided over them), for inference and for the training forward (which also writes args.h_out, h2_out, v_out).
+// 16 x 16 images only. Returns the dynamic shared memory it needs for an h x w image on a device of compute
+// capability major.minor, 0 where it does not run.
+size_t fused_block_wgmma_smem_bytes(int h, int w, int cc_major, int cc_minor);
+cudaError_t launch_fused_block_wgmma(const FusedBlockArgs& args, ConvDType dtype, int sm_count, cudaStream_t stream);
 
 }  // namespace kfuse::kernels

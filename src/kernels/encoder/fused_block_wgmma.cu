@@ -1,0 +1,335 @@
+// Block 1 of the encoder (64 -> 64 channels, stride 1, identity shortcut, 16 x 16 maps) as one persistent kernel on
+// Hopper warpgroup MMAs (sm_90a): conv1 + FixUp, conv2 + FixUp, the squeeze-excitation and the residual join, for
+// inference and for the training forward (which also writes the backward's stash: h, h2 and conv2's raw output v).
+//
+// Why. The training forward ran block 1 as a cuDNN graph (conv1 + epilogue, 121 us at batch 2048), a CUTLASS conv2
+// (98 us) and the squeeze-excite (84 us): ~300 us for 77 GFLOP, on the step's critical path, each kernel re-reading its
+// input from DRAM. The mma.sync kernel of fused_block.cu keeps the image on chip but issues MMAs at ~40% of the tensor
+// rate (8 warps, one CTA per SM). Here:
+//   - the GEMM is transposed: M = the 64 output channels, N = 128 pixels (a 16-row x 8-column half of the image, one
+//     half per warpgroup), K = 9 taps x 64 input channels; wgmma m64n128k16 with both operands in shared memory.
+//     (With M = pixels, N = 64, every k16 step would read 4 KB of operands per 32 tensor cycles: the whole shared
+//     memory bandwidth. This way 6 KB per 64 cycles.)
+//   - the filter (A, K-major) is staged once per CTA as (tap, 8-channel group) planes of 64 rows x 16 bytes: a k16
+//     step's operand is two planes (leading offset 1 KB), its 8-row core matrices 128 bytes apart;
+//   - the image (B, K-major) lives as 8 channel-group planes of the (h+2) x (w+2) zero-haloed image, 16 bytes per
+//     pixel: 8 consecutive pixels of a row are one core matrix, the next 8-pixel group of N is the next image row
+//     (stride offset = the halo row pitch), the next 8 channels the next plane (leading offset). Tap (r, s)'s im2col
+//     is the descriptor's start address: no copy. A plane is 16 bytes longer than the halo (5200 = 80 mod 128), so
+//     the 8 chunks of one pixel (one 128-byte global row) fall in 8 bank groups;
+//   - epilogues go through stmatrix.trans (the accumulator's 8 x 8 channel x pixel blocks land as the planes' 16-byte
+//     pixel chunks), then one coalesced pass per tensor: 16-byte global stores of h / h2 / v / the block output, h2
+//     written back over the image for conv2;
+//   - persistent: min(n, SMs) CTAs keep both filters (144 KB) resident and load the next image (cp.async, a second
+//     buffer) while the current one computes.
+// Shared memory: 2 x 72 KB filters + 2 x 40.6 KB image buffers + 784 B = 231440 B: Hopper's 227 KB opt-in.
+// Numerics as the separate kernels of the training forward: h = T(relu(acc + b1b)); h2 = T(h + b2a), faithful where
+// h > 0 (numeric.cuh pack8_after_relu); v = T(acc); o = T(v * scale + b2b) (affine1); squeeze over o, fc1 + ReLU, fc2 +
+// sigmoid in fp32; y = relu(o * gate + identity); a_next = T(y + next_b1a), faithful where y > 0. Fixed reduction
+// orders, no atomics: the same input gives the same bits.
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/encoder/encoder_kernels.h"
+#include "kernels/encoder/numeric.cuh"
+#include "kernels/programmatic_launch.h"
+#include "kernels/shared_memory_ptx.cuh"
+#include "kernels/wgmma_ptx.cuh"
+
+namespace kfuse::kernels {
+namespace {
+
+constexpr int kP = 64;                        // channels in and out
+constexpr int kHidden = kP / 16;              // squeeze-excite hidden units
+constexpr int kH = 16, kW = 16, kPix = kH * kW;
+constexpr int kHaloW = kW + 2, kHaloPix = (kH + 2) * kHaloW;
+constexpr int kRowPitch = kHaloW * 16;        // bytes per halo row of a plane
+constexpr int kPlane = kHaloPix * 16 + 16;    // bytes per channel-group plane (see above: 80 mod 128)
+constexpr int kBufBytes = 8 * kPlane;         // one image
+constexpr int kTapPlane = kP * 16;            // a filter's (tap, channel group) plane: 64 output channels x 16 B
+constexpr int kFilterBytes = 9 * 8 * kTapPlane;
+constexpr int kScratchFloats = 2 * kP + kHidden + kP;  // per-half channel sums, hidden units, gate
+constexpr size_t kSmemBytes = 2 * size_t(kFilterBytes) + 2 * size_t(kBufBytes) + sizeof(float) * kScratchFloats;
+constexpr int kThreads = 256;                 // two warpgroups: image columns 0-7 and 8-15
+constexpr int kPassChunks = kPix * 8 / kThreads;  // 16-byte chunks per thread in a pass over one image
+constexpr int kPassPixels = kThreads / 8;     // a pass's pixel step: 32 pixels = 2 image rows
+constexpr int kPassStride = 2 * kRowPitch;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KFUSE_FUSED_BLOCK_WGMMA_DEVICE 1
+#endif
+
+#ifdef KFUSE_FUSED_BLOCK_WGMMA_DEVICE
+using ptx::cp_async16;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::fence_proxy_async;
+using ptx::hold;
+using ptx::smem_desc;
+using ptx::smem_u32;
+using ptx::stsm_x4_trans;
+
+// d (64 x 128, fp32, the warpgroup's accumulator layout) += A (shared, K-major, 64 x 16) * B (shared, K-major, 16 x 128).
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (kBf16) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, 1, 1, 1, 0, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(desc_a), "l"(desc_b));
+  } else {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, 1, 1, 1, 0, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(desc_a), "l"(desc_b));
+  }
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts128(uint32_t addr, const uint4& v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// A filter [64][3][3][64] (KRSC) into its (tap, channel group) planes: chunk c = tap * 8 + group of output channel n
+// goes to c * 1 KB + n * 16. A warp copies 8 channels x 4 chunks: 64-byte global runs, 4 x 128 contiguous bytes in
+// shared memory (the fewest wavefronts for 512 bytes).
+__device__ __forceinline__ void stage_filter(uint32_t dst, const void* w) {
+  const char* src = static_cast<const char*>(w);
+  for (int i = threadIdx.x; i < kP * 72; i += kThreads) {
+    const int n = ((i >> 5) & 7) * 8 + (i & 7), c = (i >> 8) * 4 + ((i >> 3) & 3);
+    cp_async16(dst + c * kTapPlane + n * 16, src + n * (72 * 16) + c * 16);
+  }
+}
+
+// One image's interior into a buffer (the halo stays zero): this thread's chunks, kPassPixels pixels apart.
+__device__ __forceinline__ void load_image(uint32_t dst, const uint4* src) {
+#pragma unroll
+  for (int k = 0; k < kPassChunks; ++k) cp_async16(dst + k * kPassStride, src + k * kPassPixels * 8);
+}
+
+// d = the 3x3 convolution of the image in `act` by the filter in `filt` for this warpgroup's half (act points at the
+// half's first column): 9 taps x 4 k16 steps of m64n128k16, issued back to back, then waited for.
+template <bool kBf16>
+__device__ __forceinline__ void conv3x3(float (&d)[64], uint32_t filt, uint32_t act) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) d[i] = 0.f;
+  const uint64_t da = smem_desc(filt, kTapPlane, 8 * 16), db = smem_desc(act, kPlane, kRowPitch);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < 9; ++t)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_m64n128k16_ss<kBf16>(d, da + (((t * 8 + 2 * kk) * kTapPlane) >> 4),
+                                 db + ((2 * kk * kPlane + ((t / 3) * kHaloW + t % 3) * 16) >> 4));
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  hold(d);
+}
+
+// The accumulators as T pairs, transposed into the image's planes. d[4 j + e] is output channel 16 wq + g + 8 (e >> 1)
+// at pixel (row j, column 8 half + 2 q + (e & 1)); one stmatrix.x4 stores rows j, j + 1 of both 8-channel blocks.
+// lane_addr: this lane's row address for j = 0 (plane 2 wq + (matrix & 1), row 1 + (matrix >> 1), its column).
+template <class F>
+__device__ __forceinline__ void store_planes(uint32_t lane_addr, F pair) {
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    uint32_t r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) r[u] = pair(2 * jj + (u >> 1), u & 1);
+    stsm_x4_trans(lane_addr + jj * 2 * kRowPitch, r);
+  }
+}
+#endif  // KFUSE_FUSED_BLOCK_WGMMA_DEVICE
+
+template <class T, bool kBf16>
+__global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const FusedBlockArgs p) {
+#ifdef KFUSE_FUSED_BLOCK_WGMMA_DEVICE
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t filt1 = smem_u32(smem), filt2 = filt1 + kFilterBytes, buf0 = filt2 + kFilterBytes;
+  float* const part = reinterpret_cast<float*>(smem + 2 * kFilterBytes + 2 * kBufBytes);  // [2 halves][64]
+  float* const hid = part + 2 * kP;
+  float* const gate = hid + kHidden;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wq = warp & 3, half = warp >> 2;
+  const int g = lane >> 2, q = lane & 3;
+
+  // Both buffers zero (the halo stays so: loads and epilogues write only the interior), before any load lands.
+  for (int i = tid; i < 2 * kBufBytes / 16; i += kThreads) sts128(buf0 + 16 * i, make_uint4(0u, 0u, 0u, 0u));
+  __syncthreads();
+  // The filters are parameters, never written by the kernel before this one: conv1's loads before the programmatic
+  // wait, conv2's after the first image (its first MMAs need only conv1's).
+  stage_filter(filt1, p.w1);
+  cp_async_commit();
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
+
+  // This thread's chunks in the passes over an image: channel group c8 of pixels pix0 + 32 k.
+  const int pix0 = tid >> 3, c8 = tid & 7;
+  const uint32_t pass_off = c8 * kPlane + ((pix0 >> 4) + 1) * kRowPitch + ((pix0 & 15) + 1) * 16;
+  const int pass_g = pix0 * 8 + c8;  // in 16-byte units from the image's start
+  const uint4* const a_in = static_cast<const uint4*>(p.a);
+  const uint4* const idt = static_cast<const uint4*>(p.identity);
+  load_image(buf0 + pass_off, a_in + int64_t(blockIdx.x) * kPix * 8 + pass_g);
+  cp_async_commit();
+  stage_filter(filt2, p.w2);
+  cp_async_commit();
+
+  const int mi = lane >> 3;
+  const uint32_t stsm_off = (2 * wq + (mi & 1)) * kPlane + ((mi >> 1) + 1) * kRowPitch + (8 * half + (lane & 7) + 1) * 16;
+  const float b1b = __ldg(p.scalars + 1), b2a = __ldg(p.scalars + 2), scale = __ldg(p.scalars + 3),
+              b2b = __ldg(p.scalars + 4);
+  const float nb1a = p.a_next ? __ldg(p.next_b1a) : 0.f;
+  uint4* const h_out = static_cast<uint4*>(p.h_out);
+  uint4* const h2_out = static_cast<uint4*>(p.h2_out);
+  uint4* const v_out = static_cast<uint4*>(p.v_out);
+  uint4* const y_out = static_cast<uint4*>(p.y);
+  uint4* const a_next = static_cast<uint4*>(p.a_next);
+
+  float d[64];
+  for (int it = 0, img = blockIdx.x; img < p.n; ++it, img += gridDim.x) {
+    const uint32_t buf = buf0 + (it & 1) * kBufBytes;
+    // The next image into the other buffer (free: the previous iteration ended with a barrier), one group per
+    // iteration even when empty, so that the waits below count the same everywhere.
+    if (img + int(gridDim.x) < p.n)
+      load_image(buf0 + ((it + 1) & 1) * kBufBytes + pass_off, a_in + int64_t(img + gridDim.x) * kPix * 8 + pass_g);
+    cp_async_commit();
+    if (it == 0)
+      cp_async_wait<2>();  // conv1's filter and this image (conv2's filter and the next image may be in flight)
+    else
+      cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+    conv3x3<kBf16>(d, filt1, buf + 8 * half * 16);
+    __syncthreads();  // both warpgroups are done reading the image: h goes over it
+
+    // conv1's FixUp: h = T(relu(acc + b1b)) into the planes, then one pass: h and h2 = h + b2a to global memory, h2
+    // back into the planes for conv2.
+    store_planes(buf + stsm_off, [&](int j, int cb) {
+      return pack2<T>(relu_keep_nan(d[4 * j + 2 * cb] + b1b), relu_keep_nan(d[4 * j + 2 * cb + 1] + b1b));
+    });
+    __syncthreads();
+    const int64_t gimg = int64_t(img) * kPix * 8 + pass_g;
+    uint4 id8[kPassChunks];  // the identity, loaded while conv2 runs
+#pragma unroll
+    for (int k = 0; k < kPassChunks; ++k) id8[k] = __ldg(idt + gimg + k * kPassPixels * 8);
+#pragma unroll
+    for (int k = 0; k < kPassChunks; ++k) {
+      const uint32_t s = buf + pass_off + k * kPassStride;
+      const int64_t o = gimg + k * kPassPixels * 8;
+      const uint4 hv = lds128(s);
+      if (h_out) h_out[o] = hv;
+      float f[8];
+      unpack8<T>(hv, f);
+      const uint4 h2 = pack8_after_relu<T>(f, b2a);
+      if (h2_out) h2_out[o] = h2;
+      sts128(s, h2);
+    }
+    if (it == 0) cp_async_wait<1>();  // conv2's filter
+    fence_proxy_async();
+    __syncthreads();
+    conv3x3<kBf16>(d, filt2, buf + 8 * half * 16);
+
+    // conv2: v = T(acc), o = T(v * scale + b2b); the squeeze's per-channel sums of o over this thread's pixels, then
+    // over the lanes of a channel (q), then (below) over the two halves: a fixed order.
+    uint32_t vp[32];
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      vp[2 * j] = pack2<T>(d[4 * j], d[4 * j + 1]);
+      vp[2 * j + 1] = pack2<T>(d[4 * j + 2], d[4 * j + 3]);
+      const float2 lo = pair_to_f2<T>(vp[2 * j]), hi = pair_to_f2<T>(vp[2 * j + 1]);
+      s0 += affine1<T>(lo.x, scale, b2b);
+      s0 += affine1<T>(lo.y, scale, b2b);
+      s1 += affine1<T>(hi.x, scale, b2b);
+      s1 += affine1<T>(hi.y, scale, b2b);
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      s0 += __shfl_xor_sync(0xffffffffu, s0, off);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, off);
+    }
+    if (q == 0) {
+      part[half * kP + 16 * wq + g] = s0;
+      part[half * kP + 16 * wq + g + 8] = s1;
+    }
+    __syncthreads();  // the partial sums are in; both warpgroups are done reading h2: v goes over it
+    store_planes(buf + stsm_off, [&](int j, int cb) { return vp[2 * j + cb]; });
+    if (warp < kHidden) {  // fc1 + ReLU: one warp per hidden unit
+      const float m0 = (part[lane] + part[kP + lane]) / float(kPix);
+      const float m1 = (part[lane + 32] + part[kP + lane + 32]) / float(kPix);
+      float s = __ldg(p.fc1_w + warp * kP + lane) * m0 + __ldg(p.fc1_w + warp * kP + lane + 32) * m1;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (lane == 0) hid[warp] = relu_keep_nan(s + __ldg(p.fc1_b + warp));
+    }
+    __syncthreads();
+    if (tid < kP) {  // fc2 + sigmoid
+      float s = __ldg(p.fc2_b + tid);
+#pragma unroll
+      for (int j = 0; j < kHidden; ++j) s += __ldg(p.fc2_w + tid * kHidden + j) * hid[j];
+      gate[tid] = 1.f / (1.f + __expf(-s));
+    }
+    __syncthreads();
+
+    // Excite and join: v to the stash; y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0).
+    float gv[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) gv[e] = gate[8 * c8 + e];
+#pragma unroll
+    for (int k = 0; k < kPassChunks; ++k) {
+      const int64_t o = gimg + k * kPassPixels * 8;
+      const uint4 vv = lds128(buf + pass_off + k * kPassStride);
+      if (v_out) v_out[o] = vv;
+      float f[8], idf[8], y[8];
+      unpack8<T>(vv, f);
+      unpack8<T>(id8[k], idf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) y[e] = relu_keep_nan(fmaf(affine1<T>(f[e], scale, b2b), gv[e], idf[e]));
+      if (y_out) y_out[o] = pack8<T>(y);
+      if (a_next) a_next[o] = pack8_after_relu<T>(y, nb1a);
+    }
+    __syncthreads();  // the buffer is free for the image after next
+  }
+#else
+  // Compiled for another architecture: never launched (fused_block_wgmma_smem_bytes requires compute capability 9.0).
+  __trap();
+#endif
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+size_t fused_block_wgmma_smem_bytes(int h, int w, int cc_major, int cc_minor) {
+  return h == kH && w == kW && cc_major == 9 && cc_minor == 0 ? kSmemBytes : 0;
+}
+
+cudaError_t launch_fused_block_wgmma(const FusedBlockArgs& p, ConvDType dtype, int sm_count, cudaStream_t stream) {
+  int dev = 0, major = 0, minor = 0, optin = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err != cudaSuccess) return err;
+  const size_t smem = fused_block_wgmma_smem_bytes(p.h, p.w, major, minor);
+  if (smem == 0 || smem > size_t(optin) || sm_count <= 0 || p.n <= 0 || p.planes != kP || p.hidden != kHidden ||
+      !p.a || !p.identity || !p.w1 || !p.w2 || !p.scalars || !p.fc1_w || !p.fc1_b || !p.fc2_w || !p.fc2_b ||
+      (!p.y && !p.a_next) || (p.a_next && !p.next_b1a))
+    return cudaErrorInvalidValue;
+  const void* const pointers[] = {p.a, p.identity, p.w1, p.w2, p.y, p.a_next, p.h_out, p.h2_out, p.v_out};
+  for (const void* ptr : pointers)
+    if (ptr && !aligned16(ptr)) return cudaErrorInvalidValue;
+  auto kernel = dtype == ConvDType::kF16 ? fused_block_wgmma_kernel<__half, false>
+                                         : fused_block_wgmma_kernel<__nv_bfloat16, true>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+  const int grid = p.n < sm_count ? p.n : sm_count;
+  err = launch_kernel(kernel, grid, kThreads, smem, stream, true, p);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+}  // namespace kfuse::kernels

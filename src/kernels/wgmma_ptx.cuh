@@ -1,0 +1,68 @@
+// The Hopper (sm_90a) PTX wrappers the hand-written warpgroup-MMA kernels share (conv/wgrad_wgmma.cu,
+// encoder/fused_block_wgmma.cu): wgmma's fence / commit / wait, the proxy fence between generic shared-memory writes
+// and wgmma's reads, shared-memory matrix descriptors, mbarriers and stmatrix. Device-only, inline; include it only
+// from translation units compiled for sm_90a. Each kernel keeps its own MMA shape wrappers.
+#pragma once
+
+#include <cstdint>
+
+namespace kfuse::kernels::ptx {
+
+// Generic-proxy writes to shared memory (st.shared, cp.async, stmatrix) become visible to the async proxy (wgmma's
+// operand reads): the writing threads fence, then synchronize with the readers.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N committed groups of this warpgroup's MMAs are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from touching registers an MMA in flight reads or writes before the wait that completes it.
+template <int N>
+__device__ __forceinline__ void hold(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void hold(uint32_t (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// A shared-memory matrix descriptor without swizzle (core matrices of 8 rows x 16 bytes, each row's 16 bytes
+// contiguous): start address, leading byte offset (between the core matrices along K) and stride byte offset (between
+// the core matrices along M or N), all encoded in 16-byte units. Adding (bytes >> 4) to a descriptor moves its start.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
+  return static_cast<uint64_t>((addr >> 4) & 0x3fffu) | (static_cast<uint64_t>((lead_bytes >> 4) & 0x3fffu) << 16) |
+         (static_cast<uint64_t>((stride_bytes >> 4) & 0x3fffu) << 32);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Spins until the barrier's phase of the given parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// Four 8x8 16-bit matrices from registers (the mma accumulator fragment layout, packed in pairs) to shared memory,
+// each transposed: lane l gives the address of row l % 8 of matrix l / 8, which receives column l % 8 of the
+// fragment's matrix.
+__device__ __forceinline__ void stsm_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+}  // namespace kfuse::kernels::ptx
