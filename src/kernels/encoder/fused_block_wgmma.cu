@@ -216,17 +216,20 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     uint4 id8[kPassChunks];  // the identity, loaded while conv2 runs
 #pragma unroll
     for (int k = 0; k < kPassChunks; ++k) id8[k] = __ldg(idt + gimg + k * kPassPixels * 8);
+    // All of this thread's chunks are loaded first: with two warps per scheduler, a load-convert-store chain per
+    // chunk would leave the pass waiting on each load in turn (the stores below are ordered after every load).
+    uint4 hv[kPassChunks];
+#pragma unroll
+    for (int k = 0; k < kPassChunks; ++k) hv[k] = lds128(buf + pass_off + k * kPassStride);
 #pragma unroll
     for (int k = 0; k < kPassChunks; ++k) {
-      const uint32_t s = buf + pass_off + k * kPassStride;
       const int64_t o = gimg + k * kPassPixels * 8;
-      const uint4 hv = lds128(s);
-      if (h_out) h_out[o] = hv;
+      if (h_out) h_out[o] = hv[k];
       float f[8];
-      unpack8<T>(hv, f);
+      unpack8<T>(hv[k], f);
       const uint4 h2 = pack8_after_relu<T>(f, b2a);
       if (h2_out) h2_out[o] = h2;
-      sts128(s, h2);
+      sts128(buf + pass_off + k * kPassStride, h2);
     }
     if (it == 0) cp_async_wait<1>();  // conv2's filter
     fence_proxy_async();
@@ -279,13 +282,15 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     float gv[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) gv[e] = gate[8 * c8 + e];
+    uint4 vv[kPassChunks];
+#pragma unroll
+    for (int k = 0; k < kPassChunks; ++k) vv[k] = lds128(buf + pass_off + k * kPassStride);
 #pragma unroll
     for (int k = 0; k < kPassChunks; ++k) {
       const int64_t o = gimg + k * kPassPixels * 8;
-      const uint4 vv = lds128(buf + pass_off + k * kPassStride);
-      if (v_out) v_out[o] = vv;
+      if (v_out) v_out[o] = vv[k];
       float f[8], idf[8], y[8];
-      unpack8<T>(vv, f);
+      unpack8<T>(vv[k], f);
       unpack8<T>(id8[k], idf);
 #pragma unroll
       for (int e = 0; e < 8; ++e) y[e] = relu_keep_nan(fmaf(affine1<T>(f[e], scale, b2b), gv[e], idf[e]));
