@@ -56,6 +56,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
       : "memory");
 }
 
+// One more arrival on the barrier that also expects `bytes` of asynchronous copies (bulk_copy_g2s) to complete.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// `bytes` (a multiple of 16; 16-byte aligned addresses) global -> shared by the TMA unit, completing on `bar`'s
+// transaction count: one instruction of one thread for the whole copy, written through the async proxy (wgmma reads
+// it after the barrier's wait without a proxy fence).
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 // Four 8x8 16-bit matrices from registers (the mma accumulator fragment layout, packed in pairs) to shared memory,
 // each transposed: lane l gives the address of row l % 8 of matrix l / 8, which receives column l % 8 of the
 // fragment's matrix.

@@ -168,6 +168,8 @@ void EncoderGpu::set_weights(const EncoderParams<float>& params) {
     hw.put_t(W.conv2, krsc(w2));
     hw.put_t(W.conv2_flip, flipped_crsk(w2));
     if (W.conv1_flip != kNone) hw.put_t(W.conv1_flip, flipped_crsk(w1));
+    if (W.conv1_planes != kNone) hw.put_t(W.conv1_planes, tap_planes(w1));
+    if (W.conv2_planes != kNone) hw.put_t(W.conv2_planes, tap_planes(w2));
     if (b.has_downsample) {
       const HostTensor<float>& wd = params.at(b.prefix + b.downsample_weight());
       hw.put_t(W.shortcut, b.stride > 1 ? pooled_shortcut_krsc(wd) : krsc(wd));

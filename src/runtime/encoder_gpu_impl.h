@@ -91,11 +91,29 @@ inline std::vector<float> flipped_crsk(const HostTensor<float>& w) {
   return out;
 }
 
+// [K, C, R, S] -> [R, S, C / 8, K, 8]: per tap and 8-channel group, one 16-byte row per output channel (the filter
+// image that kernels::launch_fused_block_wgmma copies to shared memory as it is; C % 8 == 0).
+inline std::vector<float> tap_planes(const HostTensor<float>& w) {
+  const int64_t K = w.dim(0), C = w.dim(1), R = w.dim(2), S = w.dim(3);
+  std::vector<float> out(static_cast<size_t>(w.numel()));
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t s = 0; s < S; ++s) out[((((r * S + s) * (C / 8) + c / 8) * K + k) * 8) + c % 8] = w.at(k, c, r, s);
+  return out;
+}
+
 constexpr size_t kNone = SIZE_MAX;
 struct BlockWeights {  // byte offsets into the packed weights; kNone where the block has no such array
   size_t conv1, shortcut, conv2, fc1_w, fc1_b, fc2_w, fc2_b, scalars;
   size_t conv2_flip, conv1_flip;  // training only: data gradients of the stride-1 convs as forward convs
+  size_t conv1_planes, conv2_planes;  // blocks of the warpgroup-MMA kernel's shape: its filter images (tap_planes)
 };
+// Whether a block has the shape of kernels::launch_fused_block / launch_fused_block_wgmma (64 -> 64 channels, stride
+// 1, the identity shortcut, hidden = 4; the image size and the device decide the rest).
+inline bool fusable_block_shape(const EncoderConfig::Block& b) {
+  return !b.has_downsample && b.stride == 1 && b.in_planes == 64 && b.planes == 64 && b.se_hidden == 4;
+}
 struct WeightLayout {
   size_t stem_w = 0;
   std::vector<BlockWeights> blocks;
@@ -131,6 +149,9 @@ inline WeightLayout plan_weights(const EncoderConfig& config, const std::vector<
     const auto& b = blocks[i];
     L.blocks[i].conv2_flip = take(2 * size_t(b.planes) * 9 * b.planes);
     L.blocks[i].conv1_flip = b.stride == 1 ? take(2 * size_t(b.planes) * 9 * b.in_planes) : kNone;
+    const bool planes = fusable_block_shape(b);
+    L.blocks[i].conv1_planes = planes ? take(2 * size_t(b.planes) * 9 * b.in_planes) : kNone;
+    L.blocks[i].conv2_planes = planes ? take(2 * size_t(b.planes) * 9 * b.planes) : kNone;
   }
   return L;
 }
@@ -517,11 +538,7 @@ struct EncoderGpu::Impl {
     const size_t smem = kernels::fused_block_wgmma_smem_bytes(h, w, cc_major, cc_minor);
     return smem != 0 && smem <= smem_optin;
   }
-  bool fusable_block(size_t i) const {
-    const auto& b = blocks[i];
-    return fuse_blocks && i + 1 < blocks.size() && !b.has_downsample && b.stride == 1 && b.in_planes == 64 &&
-           b.planes == 64 && b.se_hidden == 4;
-  }
+  bool fusable_block(size_t i) const { return fuse_blocks && i + 1 < blocks.size() && fusable_block_shape(blocks[i]); }
 
   // Launches the whole forward on `stream` (also used under stream capture).
   void launch(const Geometry& g, const kernels::StemArgs& stem_args, kernels::SqueezeExciteArgs tail,
@@ -572,6 +589,7 @@ struct EncoderGpu::Impl {
           fb.h2_out = act.h2[i];
           fb.v_out = act.o[i];
         }
+        if (wgmma) fb.w1 = wptr(W.conv1_planes), fb.w2 = wptr(W.conv2_planes);
         kernels::PdlScope fused_scope(chain);
         if (wgmma)
           check_cuda(kernels::launch_fused_block_wgmma(fb, dtype, sm_count, stream), "fused block kernel (wgmma)");

@@ -416,6 +416,8 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
     add(w2, W.conv2, int64_t(P) * 9 * P, PackKind::kKrsc, P, P, 3, 3);
     add(w2, W.conv2_flip, int64_t(P) * 9 * P, PackKind::kFlip, P, P, 3, 3);
     if (W.conv1_flip != kNone) add(w1, W.conv1_flip, int64_t(P) * 9 * C, PackKind::kFlip, P, C, 3, 3);
+    if (W.conv1_planes != kNone) add(w1, W.conv1_planes, int64_t(P) * 9 * C, PackKind::kTapPlanes, P, C, 3, 3);
+    if (W.conv2_planes != kNone) add(w2, W.conv2_planes, int64_t(P) * 9 * P, PackKind::kTapPlanes, P, P, 3, 3);
     if (b.has_downsample) {
       const void* wd = src(b.prefix + b.downsample_weight());
       if (b.stride > 1)

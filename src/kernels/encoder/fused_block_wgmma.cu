@@ -11,7 +11,9 @@
 //     (With M = pixels, N = 64, every k16 step would read 4 KB of operands per 32 tensor cycles: the whole shared
 //     memory bandwidth. This way 6 KB per 64 cycles.)
 //   - the filter (A, K-major) is staged once per CTA as (tap, 8-channel group) planes of 64 rows x 16 bytes: a k16
-//     step's operand is two planes (leading offset 1 KB), its 8-row core matrices 128 bytes apart;
+//     step's operand is two planes (leading offset 1 KB), its 8-row core matrices 128 bytes apart. The weights are
+//     packed in this layout (FusedBlockArgs::w1 / w2 here are tap-plane images, weight_layout.h kTapPlanes), so each
+//     filter is one bulk copy by the TMA unit (per-thread cp.async of 2 x 4608 chunks took ~12% of the kernel);
 //   - the image (B, K-major) lives as 8 channel-group planes of the (h+2) x (w+2) zero-haloed image, 16 bytes per
 //     pixel: 8 consecutive pixels of a row are one core matrix, the next 8-pixel group of N is the next image row
 //     (stride offset = the halo row pitch), the next 8 channels the next plane (leading offset). Tap (r, s)'s im2col
@@ -22,7 +24,7 @@
 //     written back over the image for conv2;
 //   - persistent: min(n, SMs) CTAs keep both filters (144 KB) resident and load the next image (cp.async, a second
 //     buffer) while the current one computes.
-// Shared memory: 2 x 72 KB filters + 2 x 40.6 KB image buffers + 784 B = 231440 B: Hopper's 227 KB opt-in.
+// Shared memory: 2 x 72 KB filters + 2 x 40.6 KB image buffers + 512 B + 16 B of barriers: Hopper's 227 KB opt-in.
 // Numerics as the separate kernels of the training forward: h = T(relu(acc + b1b)); h2 = T(h + b2a), faithful where
 // h > 0 (numeric.cuh pack8_after_relu); v = T(acc); o = T(v * scale + b2b) (affine1); squeeze over o, fc1 + ReLU, fc2 +
 // sigmoid in fp32; y = relu(o * gate + identity); a_next = T(y + next_b1a), faithful where y > 0. Fixed reduction
@@ -50,7 +52,7 @@ constexpr int kPlane = kHaloPix * 16 + 16;    // bytes per channel-group plane (
 constexpr int kBufBytes = 8 * kPlane;         // one image
 constexpr int kTapPlane = kP * 16;            // a filter's (tap, channel group) plane: 64 output channels x 16 B
 constexpr int kFilterBytes = 9 * 8 * kTapPlane;
-constexpr int kScratchFloats = 2 * kP + kHidden + kP;  // per-half channel sums, hidden units, gate
+constexpr int kScratchFloats = 2 * kP;        // per-half channel sums
 constexpr size_t kSmemBytes = 2 * size_t(kFilterBytes) + 2 * size_t(kBufBytes) + sizeof(float) * kScratchFloats;
 constexpr int kThreads = 256;                 // two warpgroups: image columns 0-7 and 8-15
 constexpr int kPassChunks = kPix * 8 / kThreads;  // 16-byte chunks per thread in a pass over one image
@@ -93,17 +95,6 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 __device__ __forceinline__ void sts128(uint32_t addr, const uint4& v) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
-}
-
-// A filter [64][3][3][64] (KRSC) into its (tap, channel group) planes: chunk c = tap * 8 + group of output channel n
-// goes to c * 1 KB + n * 16. A warp copies 8 channels x 4 chunks: 64-byte global runs, 4 x 128 contiguous bytes in
-// shared memory (the fewest wavefronts for 512 bytes).
-__device__ __forceinline__ void stage_filter(uint32_t dst, const void* w) {
-  const char* src = static_cast<const char*>(w);
-  for (int i = threadIdx.x; i < kP * 72; i += kThreads) {
-    const int n = ((i >> 5) & 7) * 8 + (i & 7), c = (i >> 8) * 4 + ((i >> 3) & 3);
-    cp_async16(dst + c * kTapPlane + n * 16, src + n * (72 * 16) + c * 16);
-  }
 }
 
 // One image's interior into a buffer (the halo stays zero): this thread's chunks, kPassPixels pixels apart.
@@ -150,20 +141,27 @@ template <class T, bool kBf16>
 __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const FusedBlockArgs p) {
 #ifdef KFUSE_FUSED_BLOCK_WGMMA_DEVICE
   extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) uint64_t filter_ready[2];
   const uint32_t filt1 = smem_u32(smem), filt2 = filt1 + kFilterBytes, buf0 = filt2 + kFilterBytes;
   float* const part = reinterpret_cast<float*>(smem + 2 * kFilterBytes + 2 * kBufBytes);  // [2 halves][64]
-  float* const hid = part + 2 * kP;
-  float* const gate = hid + kHidden;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wq = warp & 3, half = warp >> 2;
   const int g = lane >> 2, q = lane & 3;
 
+  // The filters are parameters, never written by the kernel before this one: both bulk copies start before the
+  // programmatic wait; conv1 waits for its own only.
+  const uint32_t ready1 = smem_u32(&filter_ready[0]), ready2 = smem_u32(&filter_ready[1]);
+  if (tid == 0) {
+    ptx::mbar_init(ready1, 1);
+    ptx::mbar_init(ready2, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    ptx::mbar_arrive_expect_tx(ready1, kFilterBytes);
+    ptx::bulk_copy_g2s(filt1, p.w1, kFilterBytes, ready1);
+    ptx::mbar_arrive_expect_tx(ready2, kFilterBytes);
+    ptx::bulk_copy_g2s(filt2, p.w2, kFilterBytes, ready2);
+  }
   // Both buffers zero (the halo stays so: loads and epilogues write only the interior), before any load lands.
   for (int i = tid; i < 2 * kBufBytes / 16; i += kThreads) sts128(buf0 + 16 * i, make_uint4(0u, 0u, 0u, 0u));
-  __syncthreads();
-  // The filters are parameters, never written by the kernel before this one: conv1's loads before the programmatic
-  // wait, conv2's after the first image (its first MMAs need only conv1's).
-  stage_filter(filt1, p.w1);
-  cp_async_commit();
+  __syncthreads();  // also publishes the barriers' initialization
   pdl_wait_for_predecessor();
   pdl_allow_successor();
 
@@ -174,8 +172,6 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
   const uint4* const a_in = static_cast<const uint4*>(p.a);
   const uint4* const idt = static_cast<const uint4*>(p.identity);
   load_image(buf0 + pass_off, a_in + int64_t(blockIdx.x) * kPix * 8 + pass_g);
-  cp_async_commit();
-  stage_filter(filt2, p.w2);
   cp_async_commit();
 
   const int mi = lane >> 3;
@@ -197,12 +193,10 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     if (img + int(gridDim.x) < p.n)
       load_image(buf0 + ((it + 1) & 1) * kBufBytes + pass_off, a_in + int64_t(img + gridDim.x) * kPix * 8 + pass_g);
     cp_async_commit();
-    if (it == 0)
-      cp_async_wait<2>();  // conv1's filter and this image (conv2's filter and the next image may be in flight)
-    else
-      cp_async_wait<1>();
+    cp_async_wait<1>();  // this image (the next one may be in flight)
     fence_proxy_async();
     __syncthreads();
+    if (it == 0) ptx::mbar_wait(ready1, 0);
     conv3x3<kBf16>(d, filt1, buf + 8 * half * 16);
     __syncthreads();  // both warpgroups are done reading the image: h goes over it
 
@@ -231,9 +225,9 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
       if (h2_out) h2_out[o] = h2;
       sts128(buf + pass_off + k * kPassStride, h2);
     }
-    if (it == 0) cp_async_wait<1>();  // conv2's filter
     fence_proxy_async();
     __syncthreads();
+    if (it == 0) ptx::mbar_wait(ready2, 0);
     conv3x3<kBf16>(d, filt2, buf + 8 * half * 16);
 
     // conv2: v = T(acc), o = T(v * scale + b2b); the squeeze's per-channel sums of o over this thread's pixels, then
@@ -261,27 +255,32 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     }
     __syncthreads();  // the partial sums are in; both warpgroups are done reading h2: v goes over it
     store_planes(buf + stsm_off, [&](int j, int cb) { return vp[2 * j + cb]; });
-    if (warp < kHidden) {  // fc1 + ReLU: one warp per hidden unit
+    // fc1 + ReLU in every warp (the same bits everywhere: the same order), then each thread's 8 gates (fc2 +
+    // sigmoid) for its pass chunks' channels: no serial phase, no more barriers.
+    float gv[8];
+    {
       const float m0 = (part[lane] + part[kP + lane]) / float(kPix);
       const float m1 = (part[lane + 32] + part[kP + lane + 32]) / float(kPix);
-      float s = __ldg(p.fc1_w + warp * kP + lane) * m0 + __ldg(p.fc1_w + warp * kP + lane + 32) * m1;
+      float hv[kHidden];
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      if (lane == 0) hid[warp] = relu_keep_nan(s + __ldg(p.fc1_b + warp));
-    }
-    __syncthreads();
-    if (tid < kP) {  // fc2 + sigmoid
-      float s = __ldg(p.fc2_b + tid);
+      for (int k = 0; k < kHidden; ++k) {
+        float s = __ldg(p.fc1_w + k * kP + lane) * m0 + __ldg(p.fc1_w + k * kP + lane + 32) * m1;
 #pragma unroll
-      for (int j = 0; j < kHidden; ++j) s += __ldg(p.fc2_w + tid * kHidden + j) * hid[j];
-      gate[tid] = 1.f / (1.f + __expf(-s));
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        hv[k] = relu_keep_nan(s + __ldg(p.fc1_b + k));
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int c = 8 * c8 + e;
+        float s = __ldg(p.fc2_b + c);
+#pragma unroll
+        for (int k = 0; k < kHidden; ++k) s += __ldg(p.fc2_w + c * kHidden + k) * hv[k];
+        gv[e] = 1.f / (1.f + __expf(-s));
+      }
     }
-    __syncthreads();
+    __syncthreads();  // v is in the planes
 
     // Excite and join: v to the stash; y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0).
-    float gv[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) gv[e] = gate[8 * c8 + e];
     uint4 vv[kPassChunks];
 #pragma unroll
     for (int k = 0; k < kPassChunks; ++k) vv[k] = lds128(buf + pass_off + k * kPassStride);

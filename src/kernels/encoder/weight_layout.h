@@ -22,7 +22,9 @@ enum class ParamDType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 //             (the forward conv whose output is the data gradient of a stride-1 conv with symmetric padding)
 //   kPooled:  src [k][c][1][1] -> T [k][3][3][c] = src / 9            (avgpool3x3 + conv1x1 as one 3x3 conv)
 //   kStem:    src [p][kin][1][1] -> T [kpad][p], rows >= kin zero    (the stem's GEMM operand B)
-enum class PackKind : int32_t { kCopyF32 = 0, kKrsc, kFlip, kPooled, kStem };
+//   kTapPlanes: src [k][c][r][s] -> T [r][s][c / 8][k][c % 8]         (the warpgroup-MMA block's filter image:
+//             one 16-byte row per output channel and (tap, 8-channel group), copied to shared memory as it is)
+enum class PackKind : int32_t { kCopyF32 = 0, kKrsc, kFlip, kPooled, kStem, kTapPlanes };
 struct PackJob {
   const void* src = nullptr;
   int64_t dst_offset = 0;
