@@ -54,14 +54,10 @@ constexpr int kTapPlane = kP * 16;            // a filter's (tap, channel group)
 constexpr int kFilterBytes = 9 * 8 * kTapPlane;
 constexpr int kScratchFloats = 2 * kP;        // per-half channel sums
 constexpr size_t kSmemBytes = 2 * size_t(kFilterBytes) + 2 * size_t(kBufBytes) + sizeof(float) * kScratchFloats;
-// Four warpgroups: 0 and 1 run the MMAs (image columns 0-7 and 8-15) and their epilogues' register work; all four
-// run the passes over shared memory. With only the MMA warps (two per scheduler) the passes were latency-bound:
-// ~15 us per image in the training forward, of which the MMAs took ~6.
-constexpr int kThreads = 512;
-constexpr int kMmaWarps = 8;
+constexpr int kThreads = 256;                 // two warpgroups: image columns 0-7 and 8-15
 constexpr int kPassChunks = kPix * 8 / kThreads;  // 16-byte chunks per thread in a pass over one image
-constexpr int kPassPixels = kThreads / 8;     // a pass's pixel step: 64 pixels = 4 image rows
-constexpr int kPassStride = 4 * kRowPitch;
+constexpr int kPassPixels = kThreads / 8;     // a pass's pixel step: 32 pixels = 2 image rows
+constexpr int kPassStride = 2 * kRowPitch;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KFUSE_FUSED_BLOCK_WGMMA_DEVICE 1
@@ -148,8 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
   __shared__ __align__(8) uint64_t filter_ready[2];
   const uint32_t filt1 = smem_u32(smem), filt2 = filt1 + kFilterBytes, buf0 = filt2 + kFilterBytes;
   float* const part = reinterpret_cast<float*>(smem + 2 * kFilterBytes + 2 * kBufBytes);  // [2 halves][64]
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wq = warp & 3, half = (warp >> 2) & 1;
-  const bool mma = warp < kMmaWarps;  // uniform per warpgroup (wgmma's .sync.aligned needs the whole warpgroup)
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wq = warp & 3, half = warp >> 2;
   const int g = lane >> 2, q = lane & 3;
 
   // The filters are parameters, never written by the kernel before this one: both bulk copies start before the
@@ -170,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
   pdl_wait_for_predecessor();
   pdl_allow_successor();
 
-  // This thread's chunks in the passes over an image: channel group c8 of pixels pix0 + 64 k.
+  // This thread's chunks in the passes over an image: channel group c8 of pixels pix0 + 32 k.
   const int pix0 = tid >> 3, c8 = tid & 7;
   const uint32_t pass_off = c8 * kPlane + ((pix0 >> 4) + 1) * kRowPitch + ((pix0 & 15) + 1) * 16;
   const int pass_g = pix0 * 8 + c8;  // in 16-byte units from the image's start
@@ -201,18 +196,15 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     cp_async_wait<1>();  // this image (the next one may be in flight)
     fence_proxy_async();
     __syncthreads();
-    if (mma) {
-      if (it == 0) ptx::mbar_wait(ready1, 0);
-      conv3x3<kBf16>(d, filt1, buf + 8 * half * 16);
-    }
+    if (it == 0) ptx::mbar_wait(ready1, 0);
+    conv3x3<kBf16>(d, filt1, buf + 8 * half * 16);
     __syncthreads();  // both warpgroups are done reading the image: h goes over it
 
     // conv1's FixUp: h = T(relu(acc + b1b)) into the planes, then one pass: h and h2 = h + b2a to global memory, h2
     // back into the planes for conv2.
-    if (mma)
-      store_planes(buf + stsm_off, [&](int j, int cb) {
-        return pack2<T>(relu_keep_nan(d[4 * j + 2 * cb] + b1b), relu_keep_nan(d[4 * j + 2 * cb + 1] + b1b));
-      });
+    store_planes(buf + stsm_off, [&](int j, int cb) {
+      return pack2<T>(relu_keep_nan(d[4 * j + 2 * cb] + b1b), relu_keep_nan(d[4 * j + 2 * cb + 1] + b1b));
+    });
     __syncthreads();
     const int64_t gimg = int64_t(img) * kPix * 8 + pass_g;
     uint4 id8[kPassChunks];  // the identity, loaded while conv2 runs
@@ -235,39 +227,34 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     }
     fence_proxy_async();
     __syncthreads();
-    if (mma) {
-      if (it == 0) ptx::mbar_wait(ready2, 0);
-      conv3x3<kBf16>(d, filt2, buf + 8 * half * 16);
-    }
-    __syncthreads();  // both warpgroups are done reading h2: v goes over it
+    if (it == 0) ptx::mbar_wait(ready2, 0);
+    conv3x3<kBf16>(d, filt2, buf + 8 * half * 16);
 
-    // conv2: v = T(acc) into the planes; o = T(v * scale + b2b) summed per channel over this thread's pixels, then
+    // conv2: v = T(acc), o = T(v * scale + b2b); the squeeze's per-channel sums of o over this thread's pixels, then
     // over the lanes of a channel (q), then (below) over the two halves: a fixed order.
-    if (mma) {
-      float s0 = 0.f, s1 = 0.f;
-      store_planes(buf + stsm_off, [&](int j, int cb) {
-        const uint32_t v = pack2<T>(d[4 * j + 2 * cb], d[4 * j + 2 * cb + 1]);
-        const float2 f = pair_to_f2<T>(v);
-        if (cb) {
-          s1 += affine1<T>(f.x, scale, b2b);
-          s1 += affine1<T>(f.y, scale, b2b);
-        } else {
-          s0 += affine1<T>(f.x, scale, b2b);
-          s0 += affine1<T>(f.y, scale, b2b);
-        }
-        return v;
-      });
+    uint32_t vp[32];
+    float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-      for (int off = 1; off <= 2; off <<= 1) {
-        s0 += __shfl_xor_sync(0xffffffffu, s0, off);
-        s1 += __shfl_xor_sync(0xffffffffu, s1, off);
-      }
-      if (q == 0) {
-        part[half * kP + 16 * wq + g] = s0;
-        part[half * kP + 16 * wq + g + 8] = s1;
-      }
+    for (int j = 0; j < 16; ++j) {
+      vp[2 * j] = pack2<T>(d[4 * j], d[4 * j + 1]);
+      vp[2 * j + 1] = pack2<T>(d[4 * j + 2], d[4 * j + 3]);
+      const float2 lo = pair_to_f2<T>(vp[2 * j]), hi = pair_to_f2<T>(vp[2 * j + 1]);
+      s0 += affine1<T>(lo.x, scale, b2b);
+      s0 += affine1<T>(lo.y, scale, b2b);
+      s1 += affine1<T>(hi.x, scale, b2b);
+      s1 += affine1<T>(hi.y, scale, b2b);
     }
-    __syncthreads();  // v is in the planes, the partial sums are in
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      s0 += __shfl_xor_sync(0xffffffffu, s0, off);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, off);
+    }
+    if (q == 0) {
+      part[half * kP + 16 * wq + g] = s0;
+      part[half * kP + 16 * wq + g + 8] = s1;
+    }
+    __syncthreads();  // the partial sums are in; both warpgroups are done reading h2: v goes over it
+    store_planes(buf + stsm_off, [&](int j, int cb) { return vp[2 * j + cb]; });
     // fc1 + ReLU in every warp (the same bits everywhere: the same order), then each thread's 8 gates (fc2 +
     // sigmoid) for its pass chunks' channels: no serial phase, no more barriers.
     float gv[8];
@@ -291,6 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
         gv[e] = 1.f / (1.f + __expf(-s));
       }
     }
+    __syncthreads();  // v is in the planes
 
     // Excite and join: v to the stash; y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0).
     uint4 vv[kPassChunks];
