@@ -173,7 +173,8 @@ struct Activations {
   // Training: o holds conv2's raw output v and the squeeze-excite kernels (forward and backward) apply its FixUp
   // epilogue o = v * scale + b2b as they read it. A cuDNN conv2 then needs no epilogue pass over its output.
   bool conv2_raw = false;
-  // Training: the backward reads h2 and o, so every block runs as separate kernels (no fused block).
+  // Training: the backward reads h, h2 and o, so no block runs as the mma.sync fused kernel; the warpgroup-MMA one
+  // (wgmma_block_applies) writes them as it goes.
   bool training = false;
   // Training, per block, or empty: where non-null, conv1 and its FixUp epilogue run as one cuDNN graph
   // (kernels/conv/cudnn_fused.h) that writes h = relu(conv1 + b1b) here beside h2 = h + b2a, and the backward's
