@@ -26,8 +26,7 @@ namespace {
 
 bool is_sm90_tile(ConvTile t) {
   return t == ConvTile::kSm90_128x64 || t == ConvTile::kSm90_64x64 || t == ConvTile::kSm90_64x64_c2x2 ||
-         t == ConvTile::kSm90_128x64_s4 || t == ConvTile::kSm90_128x128 || t == ConvTile::kSm90_256x64 ||
-         t == ConvTile::kSm90_resident;
+         t == ConvTile::kSm90_128x64_s4 || t == ConvTile::kSm90_128x128 || t == ConvTile::kSm90_256x64;
 }
 
 struct TileInfo {
@@ -42,7 +41,7 @@ constexpr TileInfo kTiles[] = {
     {ConvTile::k128x64w8, "sm80_128x64w8", 128, 64},  {ConvTile::kSm90_128x64, "sm90_128x64", 128, 64},
     {ConvTile::kSm90_64x64, "sm90_64x64", 64, 64},    {ConvTile::kSm90_64x64_c2x2, "sm90_64x64_c2x2", 64, 64},
     {ConvTile::kSm90_128x64_s4, "sm90_128x64_s4", 128, 64},  {ConvTile::kSm90_128x128, "sm90_128x128", 128, 128},
-    {ConvTile::kSm90_256x64, "sm90_256x64", 256, 64},      {ConvTile::kSm90_resident, "sm90_resident", 64, 64},
+    {ConvTile::kSm90_256x64, "sm90_256x64", 256, 64},
 };
 const TileInfo& tile_info(ConvTile t) {
   for (const TileInfo& i : kTiles)
@@ -156,7 +155,6 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
   add({ConvTile::kSm90_64x64, 1});
   add({ConvTile::kSm90_64x64_c2x2, 1});
   add({ConvTile::kSm90_128x64_s4, 1});
-  add({ConvTile::kSm90_resident, 1});  // whole images per CTA (p*q divides 64): the late layers
   // Big tiles only where the grid still fills the machine (the training batch): at N = 128 they would leave most
   // SMs idle and only lengthen tuning.
   for (ConvTile t : {ConvTile::kSm90_128x128, ConvTile::kSm90_256x64})

@@ -69,13 +69,6 @@ const Variant kSm90Variants[] = {
     {"f16_sm90_256x64", ConvDType::kF16, ConvTile::kSm90_256x64, true},
 };
 
-// The hand-written Hopper kernel with its input resident in shared memory (fixup_resident_wgmma.cu): fp16 and bf16,
-// whole images per CTA (p*q divides 64), so it runs its own cases (kResidentCases).
-const Variant kResidentVariants[] = {
-    {"f16_sm90_resident", ConvDType::kF16, ConvTile::kSm90_resident, true},
-    {"bf16_sm90_resident", ConvDType::kBF16, ConvTile::kSm90_resident, true},
-};
-
 const Variant kParallelVariants[] = {
     {"f16_128x128_parallel", ConvDType::kF16, ConvTile::k128x128, false, true},
     {"f16_64x128_parallel", ConvDType::kF16, ConvTile::k64x128, false, true},
@@ -198,19 +191,6 @@ const FixupCase kCases[] = {
     {"n2_2x2_c512_k512_s1_split9", make_problem(2, 2, 2, 512, 512, 3, 3, 1, 1), 9},
 };
 
-// The encoder's late layers at a few batch sizes: images per CTA 1 (8x8 outputs), 4 (4x4) and 16 (2x2), the last CTA
-// partly empty (n not a multiple of them), stride 1 and 2, 1 to 8 channel slabs, a 1x1 filter.
-const FixupCase kResidentCases[] = {
-    {"n2_16x16_c64_k128_s2", make_problem(2, 16, 16, 64, 128, 3, 3, 1, 2), 1},
-    {"n3_8x8_c128_k128_s1", make_problem(3, 8, 8, 128, 128, 3, 3, 1, 1), 1},
-    {"n7_8x8_c128_k256_s2", make_problem(7, 8, 8, 128, 256, 3, 3, 1, 2), 1},
-    {"n5_4x4_c256_k256_s1", make_problem(5, 4, 4, 256, 256, 3, 3, 1, 1), 1},
-    {"n17_4x4_c256_k512_s2", make_problem(17, 4, 4, 256, 512, 3, 3, 1, 2), 1},
-    {"n19_2x2_c512_k512_s1", make_problem(19, 2, 2, 512, 512, 3, 3, 1, 1), 1},
-    {"n4_8x8_c192_k64_s1", make_problem(4, 8, 8, 192, 64, 3, 3, 1, 1), 1},
-    {"n3_8x8_c64_k64_1x1", make_problem(3, 8, 8, 64, 64, 1, 1, 0, 1), 1},
-};
-
 struct GpuParam {
   const Variant* variant;
   FixupCase conv;
@@ -279,9 +259,6 @@ std::vector<GpuParam> all_gpu_params() {
     for (const FixupCase& tc : kCases)
       if (tc.split_k >= 2)
         for (bool relu : {false, true}) params.push_back({&v, tc, relu});
-  for (const Variant& v : kResidentVariants)
-    for (const FixupCase& tc : kResidentCases)
-      for (bool relu : {false, true}) params.push_back({&v, tc, relu});
   return params;
 }
 
@@ -337,16 +314,11 @@ class ConvFixupProgrammaticTest : public ::testing::TestWithParam<const Variant*
 TEST_P(ConvFixupProgrammaticTest, ChainGivesTheSameBits) {
   const Variant& v = *GetParam();
   if (const std::string why = device_skip_reason(v); !why.empty()) GTEST_SKIP() << why;
-  // 64 -> 64 channels keeps the chain's shapes equal; 8 images of 16x16 give every tile a few CTAs (8x8 images for
-  // the kernels that take whole images per CTA).
-  int chains = 0;
-  for (const Conv2dProblem& p : {make_problem(8, 16, 16, 64, 64, 3, 3, 1, 1), make_problem(8, 8, 8, 64, 64, 3, 3, 1, 1)})
+  // 64 -> 64 channels keeps the chain's shapes equal; 8 images of 16x16 give every tile a few CTAs.
+  const Conv2dProblem p = make_problem(8, 16, 16, 64, 64, 3, 3, 1, 1);
   for (int split_k : {1, 2, 3}) {
     if (!can_implement(v, p, split_k)) continue;  // sm90: split_k 1 only; parallel: >= 2
-    if (chains > 0 && p.h == 8) continue;         // the 8x8 chain only for kernels that cannot run the 16x16 one
-    ++chains;
-    const std::string test_name =
-        std::string(v.name) + "/pdl_chain/" + std::to_string(p.h) + "/split" + std::to_string(split_k);
+    const std::string test_name = std::string(v.name) + "/pdl_chain/split" + std::to_string(split_k);
     const uint32_t seed = seed_for(test_name);
     SCOPED_TRACE(test_name + " seed=" + std::to_string(seed));
     std::mt19937 rng(seed);
@@ -374,7 +346,6 @@ TEST_P(ConvFixupProgrammaticTest, ChainGivesTheSameBits) {
     for (uint16_t b : plain3) nan3 += std::isnan(bits_to_float(b, v.dtype)) ? 1 : 0;
     EXPECT_EQ(nan3, 0u) << "the chain's last output has NaNs (poison left or overflow)";
   }
-  EXPECT_GT(chains, 0) << "no chain problem this variant can run";
 }
 
 std::vector<const Variant*> all_variants() {
@@ -382,7 +353,6 @@ std::vector<const Variant*> all_variants() {
   for (const Variant& v : kVariants) out.push_back(&v);
   for (const Variant& v : kSm90Variants) out.push_back(&v);
   for (const Variant& v : kParallelVariants) out.push_back(&v);
-  for (const Variant& v : kResidentVariants) out.push_back(&v);
   return out;
 }
 
@@ -511,7 +481,7 @@ INSTANTIATE_TEST_SUITE_P(Kernels, ConvFixupVariantTest,
                                            &kVariants[4], &kVariants[5], &kVariants[6], &kVariants[7],
                                            &kVariants[8], &kSm90Variants[0], &kSm90Variants[1],
                                            &kSm90Variants[2], &kSm90Variants[3], &kParallelVariants[0],
-                                           &kParallelVariants[4], &kResidentVariants[0], &kResidentVariants[1]),
+                                           &kParallelVariants[4]),
                          [](const ::testing::TestParamInfo<const Variant*>& info) {
                            return std::string(info.param->name);
                          });
@@ -547,34 +517,6 @@ TEST(ConvFixupCanImplement, RejectsUnsupportedProblems) {
   EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 64, 64, 3, 3, 1, 1), ConvDType::kF16,
                                                 static_cast<ConvTile>(99)))
       << "unknown tile";
-}
-
-// The resident kernel takes whole images per CTA and 64-channel slabs; everything else is refused on the host.
-TEST(ConvFixupCanImplement, ResidentKernelShapes) {
-  using kfuse::kernels::conv2d_fprop_fixup_can_implement;
-  using kfuse::kernels::conv2d_fprop_fixup_workspace_bytes;
-  for (const Variant& v : kResidentVariants) {
-    SCOPED_TRACE(v.name);
-    for (const FixupCase& tc : kResidentCases) EXPECT_TRUE(conv2d_fprop_fixup_can_implement(tc.problem, v.dtype, v.tile)) << tc.name;
-    const Conv2dProblem ok = make_problem(128, 4, 4, 256, 256, 3, 3, 1, 1);
-    EXPECT_TRUE(conv2d_fprop_fixup_can_implement(ok, v.dtype, v.tile));
-    EXPECT_EQ(conv2d_fprop_fixup_workspace_bytes(ok, v.dtype, v.tile, 1), 0u);
-    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(ok, v.dtype, v.tile, 2)) << "split_k 2";
-    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 16, 16, 64, 64, 3, 3, 1, 1), v.dtype, v.tile))
-        << "256 output pixels per image: more than one CTA's 64";
-    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 6, 6, 64, 64, 3, 3, 1, 1), v.dtype, v.tile))
-        << "36 output pixels per image do not divide 64";
-    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 8, 8, 32, 64, 3, 3, 1, 1), v.dtype, v.tile))
-        << "C = 32 is not a whole 64-channel slab";
-    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 8, 8, 64, 96, 3, 3, 1, 1), v.dtype, v.tile))
-        << "K = 96 is not a multiple of 64";
-    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 2, 2, 576, 64, 3, 3, 1, 1), v.dtype, v.tile))
-        << "C = 576: more than 8 slabs";
-    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(2, 4, 4, 512, 512, 3, 3, 1, 2), v.dtype, v.tile))
-        << "16 images x 4x4 x 512 channels: 256 KB of input per CTA";
-    EXPECT_FALSE(conv2d_fprop_fixup_can_implement(make_problem(0, 8, 8, 64, 64, 3, 3, 1, 1), v.dtype, v.tile))
-        << "empty batch";
-  }
 }
 
 TEST(ConvFixupCanImplement, Sm90TilesNeedF16AndNoSplitK) {
@@ -649,11 +591,7 @@ TEST(ConvFixupSm90, LaunchOnOtherDeviceReturnsInvalidDevice) {
   ASSERT_EQ(dx.alloc(act_elems(p) * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(dw.alloc(filter_elems(p) * sizeof(uint16_t)), cudaSuccess);
   ASSERT_EQ(dy.alloc(grad_elems(p) * sizeof(uint16_t)), cudaSuccess);
-  std::vector<const Variant*> hopper;
-  for (const Variant& v : kSm90Variants) hopper.push_back(&v);
-  for (const Variant& v : kResidentVariants) hopper.push_back(&v);
-  for (const Variant* vp : hopper) {
-    const Variant& v = *vp;
+  for (const Variant& v : kSm90Variants) {
     SCOPED_TRACE(v.name);
     EXPECT_EQ(kfuse::kernels::conv2d_fprop_fixup(p, v.dtype, v.tile, dx.ptr, dw.ptr, dy.ptr, FixupEpilogue{}, 1,
                                                  nullptr, 0, nullptr),

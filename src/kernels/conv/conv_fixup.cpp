@@ -43,8 +43,6 @@ const Instance* find_instance(ConvDType dtype, ConvTile tile, bool parallel = fa
       {ConvDType::kF16, ConvTile::kSm90_128x64_s4, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_128x64_s4)},
       {ConvDType::kF16, ConvTile::kSm90_128x128, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_128x128)},
       {ConvDType::kF16, ConvTile::kSm90_256x64, KFUSE_FIXUP_INSTANCE(fixup_f16_sm90_256x64)},
-      {ConvDType::kF16, ConvTile::kSm90_resident, KFUSE_FIXUP_INSTANCE(fixup_resident_f16)},
-      {ConvDType::kBF16, ConvTile::kSm90_resident, KFUSE_FIXUP_INSTANCE(fixup_resident_bf16)},
       // Parallel split-K.
       {ConvDType::kF16, ConvTile::k128x128, KFUSE_FIXUP_INSTANCE(fixup_split_f16_128x128), true},
       {ConvDType::kF16, ConvTile::k64x128, KFUSE_FIXUP_INSTANCE(fixup_split_f16_64x128), true},

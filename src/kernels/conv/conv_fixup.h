@@ -42,10 +42,6 @@ enum class ConvTile {
   kSm90_128x64_s4,   // 4 pipeline stages: two CTAs per SM
   kSm90_128x128,     // big tiles for the training batch (N = 2048: GEMMs of 0.5-1 M rows), schedule as CUTLASS picks
   kSm90_256x64,      //   (two consumer warpgroups); 256x64 for the 64-channel layers of block 1
-  // Hand-written (fixup_resident_wgmma.cu), fp16 and bf16: 64 output pixels (whole images: p*q divides 64) x 64
-  // output channels per CTA, the images' input resident in shared memory, filters by TMA, wgmma with the im2col
-  // gathered by ldmatrix. C and K multiples of 64, C <= 512, at most 160 KB of input per CTA; split_k 1.
-  kSm90_resident,
 };
 
 struct FixupEpilogue {

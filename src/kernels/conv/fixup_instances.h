@@ -34,9 +34,6 @@ KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_64x64_c2x2)
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_128x64_s4)
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_128x128)
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_256x64)
-// Hand-written Hopper kernel, input resident in shared memory (fixup_resident_wgmma.cu): fp16 and bf16.
-KFUSE_FIXUP_DECLARE_INSTANCE(fixup_resident_f16)
-KFUSE_FIXUP_DECLARE_INSTANCE(fixup_resident_bf16)
 
 // Parallel split-K instances (fixup_split_<dtype>_<tile>.cu, fixup_split_impl.cuh).
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_split_f16_128x128)
