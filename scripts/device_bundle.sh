@@ -9,11 +9,13 @@ cd "$root"
 bash scripts/build.sh
 rm -rf .kfuse-dist
 mkdir -p .kfuse-dist/objects .kfuse-dist/bin .kfuse-dist/include
-for dir in build/src/kernels/CMakeFiles/kfuse_kernels_*.dir; do
-  lib=$(basename "$dir" .dir)
-  mkdir -p ".kfuse-dist/objects/$lib"
-  find "$dir" -name '*.o' -exec cp {} ".kfuse-dist/objects/$lib/" \;
-done
+# Only the objects the current build graph names: a source removed since (a reverted kernel) leaves its stale .o in
+# build/, and the GPU machine links every object of the bundle.
+ninja -C build -t targets all | sed -n 's|^\(src/kernels/CMakeFiles/\(kfuse_kernels_[^/]*\)\.dir/.*\.o\): .*|\2 \1|p' |
+  while read -r lib obj; do
+    mkdir -p ".kfuse-dist/objects/$lib"
+    cp "build/$obj" ".kfuse-dist/objects/$lib/"
+  done
 for inc in /usr/include /usr/local/include; do
   [[ -f "$inc/nlohmann/json.hpp" ]] && { cp -r "$inc/nlohmann" .kfuse-dist/include/; break; }
 done

@@ -106,6 +106,10 @@ class EncoderGpu {
   // which the training forward also uses (writing the backward's stash), unless the environment sets
   // KFUSE_WGMMA_BLOCK=0 (or KFUSE_FUSED_BLOCK=0) when the encoder is created.
   int wgmma_block_count(int h, int w) const;
+  // Whether the inference forward on n x C x h x w inputs computes the stem inside block 1's warpgroup-MMA kernel
+  // (each CTA the stem of its own image: n at most the SM count), unless the environment sets KFUSE_FUSED_STEM=0
+  // when the encoder is created.
+  bool stem_in_block(int n, int h, int w) const;
   // How many blocks of the training step on n x C x h x w inputs run conv1 with its FixUp epilogue as one cuDNN graph
   // (and how many also conv2's data gradient with the ReLU mask), as decided at that geometry's first forward_train;
   // {0, 0} before it. KFUSE_CUDNN_FUSED (read when the training state is created) chooses: 1 where the tuner runs

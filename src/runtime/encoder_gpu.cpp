@@ -32,6 +32,7 @@ std::string capture_forward(EncoderGpu::Impl& m, const Geometry& g, const kernel
   out.exec = exec;
   out.graph = graph;
   out.stem = ends.stem;
+  out.stem_in_block = ends.stem_in_block;
   out.tail = ends.tail;
   out.stem_args = stem;
   out.tail_args = tail;
@@ -67,6 +68,11 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
     const std::string on = v;
     KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_BLOCK must be 0 (off) or 1, got '", on, "'");
     m.fuse_blocks = on == "1";
+  }
+  if (const char* v = std::getenv("KFUSE_FUSED_STEM"); v && *v) {
+    const std::string on = v;
+    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_STEM must be 0 (off) or 1, got '", on, "'");
+    m.fuse_stem = on == "1";
   }
   if (const char* v = std::getenv("KFUSE_WGMMA_BLOCK"); v && *v) {
     const std::string on = v;
@@ -146,6 +152,12 @@ int EncoderGpu::fused_block_count(int h, int w) const {
 int EncoderGpu::wgmma_block_count(int h, int w) const {
   const Impl& m = *impl_;
   return count_blocks(m, h, w, [&](size_t i, int bh, int bw) { return m.wgmma_block_applies(i, bh, bw); });
+}
+bool EncoderGpu::stem_in_block(int n, int h, int w) const {
+  const Impl& m = *impl_;
+  KFUSE_CHECK(n >= 1, InvalidArgument, "stem_in_block: n must be >= 1, got ", n);
+  m.config.output_shape({1, m.config.in_channels, h, w});  // validates H and W
+  return m.stem_in_block(Geometry{n, h, w}, /*training=*/false);
 }
 
 void EncoderGpu::set_weights(const EncoderParams<float>& params) {
@@ -258,7 +270,13 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
     cudaKernelNodeParams p{};
     check_cuda(cudaGraphKernelNodeGetParams(gr.stem, &p), "cudaGraphKernelNodeGetParams");
     gr.stem_args.x = stem.x;
+    kernels::FusedBlockArgs block;  // the stem inside block 1's kernel: its arguments with the new input
     void* args[] = {&gr.stem_args};
+    if (gr.stem_in_block) {
+      block = *static_cast<const kernels::FusedBlockArgs*>(p.kernelParams[0]);
+      block.stem.x = stem.x;
+      args[0] = &block;
+    }
     p.kernelParams = args;
     check_cuda(cudaGraphExecKernelNodeSetParams(gr.exec, gr.stem, &p), "cudaGraphExecKernelNodeSetParams");
   }

@@ -196,6 +196,7 @@ struct Graph {
   cudaGraph_t graph = nullptr;  // kept: node parameters are patched through its nodes
   cudaGraphExec_t exec = nullptr;
   cudaGraphNode_t stem = nullptr, tail = nullptr;
+  bool stem_in_block = false;  // the stem node is block 1's kernel (its FusedBlockArgs::stem), not the stem kernel
   kernels::StemArgs stem_args;
   kernels::SqueezeExciteArgs tail_args;
 };
@@ -237,6 +238,7 @@ struct EncoderGpu::Impl {
   // Blocks that fit kernels::launch_fused_block run as that one kernel in the inference forward (KFUSE_FUSED_BLOCK=0:
   // never; the A/B switch of PERF.md session 15).
   bool fuse_blocks = true;
+  bool fuse_stem = true;  // KFUSE_FUSED_STEM=0: the stem kernel even where block 1's kernel could compute it
   // Where they apply (Hopper, 16 x 16 maps), such blocks run as the warpgroup-MMA kernel instead, in inference and in
   // the training forward (kernels::launch_fused_block_wgmma); KFUSE_WGMMA_BLOCK=0: never (the A/B switch).
   bool wgmma_blocks = true;
@@ -513,6 +515,7 @@ struct EncoderGpu::Impl {
   // (its only leaf), taken from the capture as they are launched.
   struct CapturedEnds {
     cudaGraphNode_t stem = nullptr, tail = nullptr;
+    bool stem_in_block = false;
   };
   // The node just captured on `stream` (null when it is not capturing or the last operation left several).
   static cudaGraphNode_t last_captured_node(cudaStream_t stream) {
@@ -540,6 +543,11 @@ struct EncoderGpu::Impl {
     return smem != 0 && smem <= smem_optin;
   }
   bool fusable_block(size_t i) const { return fuse_blocks && i + 1 < blocks.size() && fusable_block_shape(blocks[i]); }
+  // Whether the inference forward of geometry g computes the stem inside block 1's warpgroup-MMA kernel: that kernel
+  // applies, and every CTA has at most one image (it stages the stem's weights in its second image buffer).
+  bool stem_in_block(const Geometry& g, bool training) const {
+    return fuse_stem && !training && g.n <= sm_count && wgmma_block_applies(0, g.h / 4, g.w / 4);
+  }
 
   // Launches the whole forward on `stream` (also used under stream capture).
   void launch(const Geometry& g, const kernels::StemArgs& stem_args, kernels::SqueezeExciteArgs tail,
@@ -554,8 +562,11 @@ struct EncoderGpu::Impl {
   // joins one kernel to the next in a stream, and an event wait has no kernel of its own.
   void launch(const Geometry& g, Activations& act, const kernels::StemArgs& stem_args,
               kernels::SqueezeExciteArgs tail, cudaStream_t stream, CapturedEnds* ends = nullptr) {
-    check_cuda(kernels::launch_stem(stem_args, dtype, stream), "stem kernel");
-    if (ends) ends->stem = last_captured_node(stream);
+    const bool stem_fused = stem_in_block(g, act.training);
+    if (!stem_fused) {
+      check_cuda(kernels::launch_stem(stem_args, dtype, stream), "stem kernel");
+      if (ends) ends->stem = last_captured_node(stream);
+    }
     const bool fused_cudnn = std::any_of(act.h.begin(), act.h.end(), [](void* p) { return p != nullptr; });
     const bool chain = use_pdl && !any_cudnn(g) && !fused_cudnn;
     kernels::PdlScope programmatic(chain);
@@ -591,11 +602,14 @@ struct EncoderGpu::Impl {
           fb.v_out = act.o[i];
         }
         if (wgmma) fb.w1 = wptr(W.conv1_planes), fb.w2 = wptr(W.conv2_planes);
-        kernels::PdlScope fused_scope(chain);
+        const bool with_stem = i == 0 && stem_fused;  // the graph's first kernel then: nothing to launch early after
+        if (with_stem) fb.a = nullptr, fb.stem = stem_args;
+        kernels::PdlScope fused_scope(chain && !with_stem);
         if (wgmma)
           check_cuda(kernels::launch_fused_block_wgmma(fb, dtype, sm_count, stream), "fused block kernel (wgmma)");
         else
           check_cuda(kernels::launch_fused_block(fb, dtype, stream), "fused block kernel");
+        if (with_stem && ends) ends->stem = last_captured_node(stream), ends->stem_in_block = true;
         continue;  // stride 1: h and w stay
       }
       if (b.has_downsample) {  // fork: the shortcut needs only a[i], like conv1

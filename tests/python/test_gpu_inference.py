@@ -224,6 +224,69 @@ def test_wgmma_block_matches_float64_reference(make_reference, monkeypatch, prec
     assert rel_err(outs["1"], outs["0"].double()) <= TOL
 
 
+def _fused_stem_inputs(kind: str, n: int, c: int, gen: torch.Generator):
+    """(device input, float64 NCHW reference input, normalization or None) for one input kind of the stem."""
+    if kind == "nhwc-uint8-rgba":
+        img = torch.randint(0, 256, (n, 64, 64, 4), generator=gen, dtype=torch.uint8)
+        mean, var = torch.tensor([0.4, 0.5, 0.6]), torch.tensor([0.05, 0.005, 0.2])
+        x_ref = (img[..., :3].permute(0, 3, 1, 2).double() / 255 - mean.double().view(1, 3, 1, 1)) * \
+            torch.rsqrt(var.double().clamp_min(1e-2)).view(1, 3, 1, 1)
+        return img.cuda().permute(0, 3, 1, 2)[:, :3], x_ref, (mean, var)  # the engine takes the NCHW view
+    x_ref = torch.rand(n, c, 64, 64, generator=gen, dtype=torch.float64)
+    if kind == "nchw-f32":
+        return x_ref.float().cuda(), x_ref, None
+    if kind == "channels_last-bf16":
+        return x_ref.to(torch.bfloat16).cuda().contiguous(memory_format=torch.channels_last), x_ref, None
+    if kind == "nchw-f16-misaligned":  # a view one element into its storage: no vector loads
+        flat = torch.empty(x_ref.numel() + 1, dtype=torch.float16, device="cuda")
+        x = flat[1:].view(n, c, 64, 64)
+        x.copy_(x_ref)
+        return x, x_ref, None
+    return x_ref.half().cuda(), x_ref, None
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n,c,kind", [(1, 3, "nchw-f16"), (7, 1, "nchw-f16"), (128, 3, "nchw-f16"),
+                                      (5, 11, "nchw-f32"), (6, 3, "channels_last-bf16"),
+                                      (4, 3, "nhwc-uint8-rgba"), (3, 3, "nchw-f16-misaligned")])
+def test_fused_stem_matches_stem_kernel(make_reference, monkeypatch, precision, n, c, kind):
+    """The stem computed inside block 1's Hopper kernel (KFUSE_FUSED_STEM=1, each CTA its own image) gives exactly the
+    bits of the separate stem kernel (KFUSE_FUSED_STEM=0: the same warp GEMM, the same roundings), eager and replayed
+    with a patched input pointer, outputs poisoned with NaN first; and both match the float64 reference. It applies
+    only on compute capability 9.0 and up to one image per SM."""
+    ref = make_reference(in_channels=c, seed=500 + 10 * n + c)
+    enc = kfuse.ResNetEncoder.from_torch(ref)
+    gen = torch.Generator().manual_seed(600 + n)
+    x, x_ref, norm = _fused_stem_inputs(kind, n, c, gen)
+    if norm is not None:
+        enc.set_input_normalization(*norm)
+    params = [p.detach().float().contiguous() for p in enc.parameters()]
+    stream = torch.cuda.current_stream().cuda_stream
+    dtype = getattr(torch, precision)
+    monkeypatch.setenv("KFUSE_TUNE", "off")  # both engines run the heuristic's kernels: same tiles, same sums
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("KFUSE_FUSED_STEM", on)  # read when the engine is created
+        engine = _C.EncoderGpu(enc.config, precision, 0)
+        engine.set_weights(params)
+        if norm is not None:
+            engine.set_input_affine(*enc._uint8_affine())
+        assert engine.stem_in_block(n, 64, 64) == (on == "1" and _hopper()), f"KFUSE_FUSED_STEM={on}"
+        assert not engine.stem_in_block(sms + 1, 64, 64)
+        ys = []
+        for i in range(3):  # eager, captured, replayed with another input address
+            y = torch.full((n, 512, 2, 2), float("nan"), device="cuda", dtype=dtype)
+            engine.forward(x.clone() if i == 2 else x, y, stream)
+            torch.cuda.synchronize()
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), f"KFUSE_FUSED_STEM={on}: replays differ"
+        outs[on] = ys[0]
+    assert not torch.isnan(outs["1"]).any()
+    assert torch.equal(outs["1"], outs["0"])
+    assert rel_err(outs["1"], reference64(ref, x_ref)) <= TOL
+
+
 def test_weights_update_is_picked_up(make_reference):
     ref = make_reference(in_channels=1, seed=12)
     enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)

@@ -83,6 +83,10 @@ struct FusedBlockArgs {
   void* h_out = nullptr;
   void* h2_out = nullptr;
   void* v_out = nullptr;
+  // launch_fused_block_wgmma only, inference: with stem.x set, each CTA computes the stem of its own image from the
+  // caller's input (stem_tile.cuh) instead of reading a and identity (the stem's output, kept on chip; stem.x0 and
+  // stem.a0 are not written), and n must not exceed sm_count (one image per CTA).
+  StemArgs stem;
 };
 // Dynamic shared memory the fused block needs for an h x w image; 0 where the kernel does not take that size (more
 // than 256 pixels, a pixel count not a multiple of 16, or a halo of more than 640 pixels).
@@ -90,7 +94,8 @@ size_t fused_block_smem_bytes(int h, int w);
 cudaError_t launch_fused_block(const FusedBlockArgs& args, ConvDType dtype, cudaStream_t stream);
 
 // The same block on Hopper warpgroup MMAs (fused_block_wgmma.cu, sm_90a), persistent (min(n, sm_count) CTAs, images
-// strided over them), for inference and for the training forward (which also writes args.h_out, h2_out, v_out).
+// strided over them), for inference (optionally with the stem, args.stem) and for the training forward (which also
+// writes args.h_out, h2_out, v_out).
 // 16 x 16 images only. Returns the dynamic shared memory it needs for an h x w image on a device of compute
 // capability major.minor, 0 where it does not run.
 size_t fused_block_wgmma_smem_bytes(int h, int w, int cc_major, int cc_minor);

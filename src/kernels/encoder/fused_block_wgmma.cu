@@ -24,18 +24,27 @@
 //     written back over the image for conv2;
 //   - persistent: min(n, SMs) CTAs keep both filters (144 KB) resident and load the next image (cp.async, a second
 //     buffer) while the current one computes.
+//   - with FusedBlockArgs::stem set (inference, at most one image per CTA), the CTA computes the stem of its own image
+//     instead of loading a: the stem's warp GEMM (stem_tile.cuh, 8 warps x 32 pixels = the 16 x 16 image, its B
+//     fragments staged in the second buffer) writes a = T(relu(stem) + b1a) straight into the planes and the stem
+//     output x (block 1's identity) into the second buffer, pixel-major with the 16-byte chunks XOR-swizzled by the
+//     pixel (conflict-free stores from the mma layout and loads in the final pass). The stem kernel and its launch go,
+//     and with them the wait for its last CTA and the round trips of a and x through L2 (the stem was ~8 us of the
+//     forward's critical path; block 1's image load ~2.4 us more). The final pass runs rolled there (see the join).
 // Shared memory: 2 x 72 KB filters + 2 x 40.6 KB image buffers + 512 B + 16 B of barriers: Hopper's 227 KB opt-in.
 // Numerics as the separate kernels of the training forward: h = T(relu(acc + b1b)); h2 = T(h + b2a), faithful where
 // h > 0 (numeric.cuh pack8_after_relu); v = T(acc); o = T(v * scale + b2b) (affine1); squeeze over o, fc1 + ReLU, fc2 +
 // sigmoid in fp32; y = relu(o * gate + identity); a_next = T(y + next_b1a), faithful where y > 0. Fixed reduction
 // orders, no atomics: the same input gives the same bits.
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "kernels/encoder/encoder_kernels.h"
 #include "kernels/encoder/numeric.cuh"
+#include "kernels/encoder/stem_tile.cuh"
 #include "kernels/programmatic_launch.h"
 #include "kernels/shared_memory_ptx.cuh"
 #include "kernels/wgmma_ptx.cuh"
@@ -97,6 +106,12 @@ __device__ __forceinline__ void sts128(uint32_t addr, const uint4& v) {
                : "memory");
 }
 
+// The stem output x of the fused stem, kept in the second buffer: pixel-major, 8 chunks of 16 bytes per pixel, chunk
+// c8 of pixel pix at slot c8 ^ (pix & 7).
+__device__ __forceinline__ uint32_t xs_chunk(uint32_t base, int pix, int c8) {
+  return base + (pix * 8 + (c8 ^ (pix & 7))) * 16;
+}
+
 // One image's interior into a buffer (the halo stays zero): this thread's chunks, kPassPixels pixels apart.
 __device__ __forceinline__ void load_image(uint32_t dst, const uint4* src) {
 #pragma unroll
@@ -137,7 +152,9 @@ __device__ __forceinline__ void store_planes(uint32_t lane_addr, F pair) {
 }
 #endif  // KFUSE_FUSED_BLOCK_WGMMA_DEVICE
 
-template <class T, bool kBf16>
+// E: the stem input's element type when the kernel computes its image's stem (p.stem; kC: its channels, 0 = run
+// time), void when it loads a.
+template <class T, bool kBf16, class E, int kC>
 __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const FusedBlockArgs p) {
 #ifdef KFUSE_FUSED_BLOCK_WGMMA_DEVICE
   extern __shared__ __align__(128) unsigned char smem[];
@@ -171,7 +188,26 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
   const int pass_g = pix0 * 8 + c8;  // in 16-byte units from the image's start
   const uint4* const a_in = static_cast<const uint4*>(p.a);
   const uint4* const idt = static_cast<const uint4*>(p.identity);
-  load_image(buf0 + pass_off, a_in + int64_t(blockIdx.x) * kPix * 8 + pass_g);
+  constexpr bool kStem = !std::is_void_v<E>;
+  if constexpr (kStem) {
+    // This CTA's image (the launcher guarantees n <= grid): its stem into buffer 0's planes (a) and buffer 1 (x, the
+    // identity), the B fragments staged in buffer 1 first (no next image uses it).
+    static_assert(stem_tile::smem_steps<kC>() * 4 * 32 * 16 <= kBufBytes, "the stem's B fragments fit one buffer");
+    static_assert(kThreads / 32 * stem_tile::kWarpPixels == kPix && stem_tile::kTileN == kP, "8 warps: one image");
+    const int img = blockIdx.x, m_warp = img * kPix + warp * stem_tile::kWarpPixels;
+    float sacc[stem_tile::kMTiles][8][4];
+    stem_tile::warp_gemm<T, E, kC, kThreads>(p.stem, m_warp, 0, reinterpret_cast<uint4*>(smem + 2 * kFilterBytes + kBufBytes),
+                                             sacc);
+    const float b1a = p.stem.b1a ? *p.stem.b1a : 0.f;
+    __syncthreads();  // every warp is done with the staged B: x goes over it
+    stem_tile::for_each_output<T>(sacc, m_warp, p.n * kPix, 0, kP, b1a, [&](int m, int col, uint4 xv, uint4 av) {
+      const int pix = m - img * kPix;
+      sts128(buf0 + (col >> 3) * kPlane + ((pix >> 4) + 1) * kRowPitch + ((pix & 15) + 1) * 16, av);
+      sts128(xs_chunk(buf0 + kBufBytes, pix, col >> 3), xv);
+    });
+  } else {
+    load_image(buf0 + pass_off, a_in + int64_t(blockIdx.x) * kPix * 8 + pass_g);
+  }
   cp_async_commit();
 
   const int mi = lane >> 3;
@@ -207,9 +243,11 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     });
     __syncthreads();
     const int64_t gimg = int64_t(img) * kPix * 8 + pass_g;
-    uint4 id8[kPassChunks];  // the identity, loaded while conv2 runs
+    uint4 id8[kPassChunks];  // the identity, loaded while conv2 runs (the fused stem's is in shared memory)
+    if constexpr (!kStem) {
 #pragma unroll
-    for (int k = 0; k < kPassChunks; ++k) id8[k] = __ldg(idt + gimg + k * kPassPixels * 8);
+      for (int k = 0; k < kPassChunks; ++k) id8[k] = __ldg(idt + gimg + k * kPassPixels * 8);
+    }
     // All of this thread's chunks are loaded first: with two warps per scheduler, a load-convert-store chain per
     // chunk would leave the pass waiting on each load in turn (the stores below are ordered after every load).
     uint4 hv[kPassChunks];
@@ -281,20 +319,30 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     __syncthreads();  // v is in the planes
 
     // Excite and join: v to the stash; y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0).
-    uint4 vv[kPassChunks];
-#pragma unroll
-    for (int k = 0; k < kPassChunks; ++k) vv[k] = lds128(buf + pass_off + k * kPassStride);
-#pragma unroll
-    for (int k = 0; k < kPassChunks; ++k) {
+    auto join = [&](int k, const uint4& vk, const uint4& idk) {
       const int64_t o = gimg + k * kPassPixels * 8;
-      if (v_out) v_out[o] = vv[k];
+      if (v_out) v_out[o] = vk;
       float f[8], idf[8], y[8];
-      unpack8<T>(vv[k], f);
-      unpack8<T>(id8[k], idf);
+      unpack8<T>(vk, f);
+      unpack8<T>(idk, idf);
 #pragma unroll
       for (int e = 0; e < 8; ++e) y[e] = relu_keep_nan(fmaf(affine1<T>(f[e], scale, b2b), gv[e], idf[e]));
       if (y_out) y_out[o] = pack8<T>(y);
       if (a_next) a_next[o] = pack8_after_relu<T>(y, nb1a);
+    };
+    if constexpr (kStem) {
+      // Rolled, v and x read per chunk: unrolled, this pass is ~22 KB of straight-line code, which the fused stem's
+      // larger kernel no longer finds in the instruction cache (ncu: warps stalled on instruction fetch, 9 us
+      // instead of 2.4).
+#pragma unroll 1
+      for (int k = 0; k < kPassChunks; ++k)
+        join(k, lds128(buf + pass_off + k * kPassStride), lds128(xs_chunk(buf0 + kBufBytes, pix0 + k * kPassPixels, c8)));
+    } else {
+      uint4 vv[kPassChunks];
+#pragma unroll
+      for (int k = 0; k < kPassChunks; ++k) vv[k] = lds128(buf + pass_off + k * kPassStride);
+#pragma unroll
+      for (int k = 0; k < kPassChunks; ++k) join(k, vv[k], id8[k]);
     }
     __syncthreads();  // the buffer is free for the image after next
   }
@@ -305,6 +353,26 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+using FusedBlockKernel = void (*)(const FusedBlockArgs);
+
+// The kernel that computes the stem for input `stem` (C = 3 and 1 specialised, as the stem kernel does).
+template <class T, bool kBf16, class E>
+FusedBlockKernel fused_stem_kernel_for(const StemArgs& stem) {
+  if (stem.c == 3) return fused_block_wgmma_kernel<T, kBf16, E, 3>;
+  if (stem.c == 1) return fused_block_wgmma_kernel<T, kBf16, E, 1>;
+  return fused_block_wgmma_kernel<T, kBf16, E, 0>;
+}
+template <class T, bool kBf16>
+FusedBlockKernel fused_stem_kernel(const StemArgs& stem) {
+  switch (stem.x_dtype) {
+    case InputDType::kF32: return fused_stem_kernel_for<T, kBf16, float>(stem);
+    case InputDType::kF16: return fused_stem_kernel_for<T, kBf16, __half>(stem);
+    case InputDType::kBF16: return fused_stem_kernel_for<T, kBf16, __nv_bfloat16>(stem);
+    case InputDType::kU8: return fused_stem_kernel_for<T, kBf16, uint8_t>(stem);
+  }
+  return nullptr;
+}
 
 }  // namespace
 
@@ -320,15 +388,25 @@ cudaError_t launch_fused_block_wgmma(const FusedBlockArgs& p, ConvDType dtype, i
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (err != cudaSuccess) return err;
   const size_t smem = fused_block_wgmma_smem_bytes(p.h, p.w, major, minor);
+  const bool stem = p.stem.x != nullptr;
   if (smem == 0 || smem > size_t(optin) || sm_count <= 0 || p.n <= 0 || p.planes != kP || p.hidden != kHidden ||
-      !p.a || !p.identity || !p.w1 || !p.w2 || !p.scalars || !p.fc1_w || !p.fc1_b || !p.fc2_w || !p.fc2_b ||
-      (!p.y && !p.a_next) || (p.a_next && !p.next_b1a))
+      (!stem && (!p.a || !p.identity)) || !p.w1 || !p.w2 || !p.scalars || !p.fc1_w || !p.fc1_b || !p.fc2_w ||
+      !p.fc2_b || (!p.y && !p.a_next) || (p.a_next && !p.next_b1a))
+    return cudaErrorInvalidValue;
+  // The fused stem: one image per CTA, the stem's output is this kernel's 16 x 16 x 64 image; inference only (the
+  // training forward's stash wants the stem output in memory: the separate stem kernel).
+  if (stem && (p.n > sm_count || p.stem.n != p.n || p.stem.h != 4 * kH || p.stem.w != 4 * kW || p.stem.p0 != kP ||
+               p.stem.c <= 0 || p.stem.kpad < 16 * p.stem.c || !p.stem.weight ||
+               (p.stem.in_scale == nullptr) != (p.stem.in_shift == nullptr) || p.h_out || p.h2_out || p.v_out))
     return cudaErrorInvalidValue;
   const void* const pointers[] = {p.a, p.identity, p.w1, p.w2, p.y, p.a_next, p.h_out, p.h2_out, p.v_out};
   for (const void* ptr : pointers)
     if (ptr && !aligned16(ptr)) return cudaErrorInvalidValue;
-  auto kernel = dtype == ConvDType::kF16 ? fused_block_wgmma_kernel<__half, false>
-                                         : fused_block_wgmma_kernel<__nv_bfloat16, true>;
+  const auto kernel = stem ? (dtype == ConvDType::kF16 ? fused_stem_kernel<__half, false>(p.stem)
+                                                       : fused_stem_kernel<__nv_bfloat16, true>(p.stem))
+                           : (dtype == ConvDType::kF16 ? fused_block_wgmma_kernel<__half, false, void, 0>
+                                                       : fused_block_wgmma_kernel<__nv_bfloat16, true, void, 0>);
+  if (!kernel) return cudaErrorInvalidValue;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   const int grid = p.n < sm_count ? p.n : sm_count;
