@@ -198,9 +198,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     float sacc[stem_tile::kMTiles][8][4];
     stem_tile::warp_gemm<T, E, kC, kThreads>(p.stem, m_warp, 0, reinterpret_cast<uint4*>(smem + 2 * kFilterBytes + kBufBytes),
                                              sacc);
-    const float b1a = p.stem.b1a ? *p.stem.b1a : 0.f;
     __syncthreads();  // every warp is done with the staged B: x goes over it
-    stem_tile::for_each_output<T>(sacc, m_warp, p.n * kPix, 0, kP, b1a, [&](int m, int col, uint4 xv, uint4 av) {
+    stem_tile::for_each_output<T>(p.stem, sacc, m_warp, 0, [&](int m, int col, uint4 xv, uint4 av) {
       const int pix = m - img * kPix;
       sts128(buf0 + (col >> 3) * kPlane + ((pix >> 4) + 1) * kRowPitch + ((pix & 15) + 1) * 16, av);
       sts128(xs_chunk(buf0 + kBufBytes, pix, col >> 3), xv);
@@ -356,22 +355,12 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 using FusedBlockKernel = void (*)(const FusedBlockArgs);
 
-// The kernel that computes the stem for input `stem` (C = 3 and 1 specialised, as the stem kernel does).
-template <class T, bool kBf16, class E>
-FusedBlockKernel fused_stem_kernel_for(const StemArgs& stem) {
-  if (stem.c == 3) return fused_block_wgmma_kernel<T, kBf16, E, 3>;
-  if (stem.c == 1) return fused_block_wgmma_kernel<T, kBf16, E, 1>;
-  return fused_block_wgmma_kernel<T, kBf16, E, 0>;
-}
+// The kernel that computes the stem for input `stem` (the stem kernel's specialisations: stem_tile::dispatch_input).
 template <class T, bool kBf16>
 FusedBlockKernel fused_stem_kernel(const StemArgs& stem) {
-  switch (stem.x_dtype) {
-    case InputDType::kF32: return fused_stem_kernel_for<T, kBf16, float>(stem);
-    case InputDType::kF16: return fused_stem_kernel_for<T, kBf16, __half>(stem);
-    case InputDType::kBF16: return fused_stem_kernel_for<T, kBf16, __nv_bfloat16>(stem);
-    case InputDType::kU8: return fused_stem_kernel_for<T, kBf16, uint8_t>(stem);
-  }
-  return nullptr;
+  return stem_tile::dispatch_input(stem, FusedBlockKernel{nullptr}, [&]<class E, int kC>() -> FusedBlockKernel {
+    return fused_block_wgmma_kernel<T, kBf16, E, kC>;
+  });
 }
 
 }  // namespace

@@ -35,37 +35,21 @@ __global__ void __launch_bounds__(kThreads) stem_kernel(const StemArgs a) {
   float acc[kMTiles][8][4];
   stem_tile::warp_gemm<T, E, kC, kThreads>(a, m_warp, n0, bs, acc);
 
-  const float b1a = a.b1a ? *a.b1a : 0.f;  // block 1's scalar, read from device memory (graph replays see updates)
   T* x0 = static_cast<T*>(a.x0);
   T* a0 = static_cast<T*>(a.a0);
-  const int m_total = a.n * (a.h >> 2) * (a.w >> 2);
-  stem_tile::for_each_output<T>(acc, m_warp, m_total, n0, a.p0, b1a, [&](int m, int col, uint4 xv, uint4 av) {
+  stem_tile::for_each_output<T>(a, acc, m_warp, n0, [&](int m, int col, uint4 xv, uint4 av) {
     const int64_t off = int64_t(m) * a.p0 + col;
     *reinterpret_cast<uint4*>(x0 + off) = xv;
     if (a0) *reinterpret_cast<uint4*>(a0 + off) = av;
   });
 }
 
-template <class T, class E>
-void launch_typed(const StemArgs& a, dim3 grid, cudaStream_t stream) {
-  if (a.c == 3)  // RGB: the workload that matters
-    stem_kernel<T, E, 3><<<grid, kThreads, 0, stream>>>(a);
-  else if (a.c == 1)  // depth / grey (benchmarked too)
-    stem_kernel<T, E, 1><<<grid, kThreads, 0, stream>>>(a);
-  else
-    stem_kernel<T, E, 0><<<grid, kThreads, 0, stream>>>(a);
-}
-
 template <class T>
 cudaError_t launch_input(const StemArgs& a, dim3 grid, cudaStream_t stream) {
-  switch (a.x_dtype) {
-    case InputDType::kF32: launch_typed<T, float>(a, grid, stream); break;
-    case InputDType::kF16: launch_typed<T, __half>(a, grid, stream); break;
-    case InputDType::kBF16: launch_typed<T, __nv_bfloat16>(a, grid, stream); break;
-    case InputDType::kU8: launch_typed<T, uint8_t>(a, grid, stream); break;
-    default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return stem_tile::dispatch_input(a, cudaErrorInvalidValue, [&]<class E, int kC>() {
+    stem_kernel<T, E, kC><<<grid, kThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace

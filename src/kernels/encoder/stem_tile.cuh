@@ -259,11 +259,13 @@ __device__ __forceinline__ void warp_gemm(const StemArgs& a, int m_warp, int n0,
 
 // The epilogue's values: for each of the lane's (pixel, 8-channel chunk) pairs, calls store(m, col, x, a) with the
 // stem output x = T(relu(acc)) and block 1's input a = T(relu(acc) + b1a) as 8 consecutive channels col .. col + 7
-// (lane (g, q): pixel rows g and g + 8, channels 32b + 8q .. +7 from tiles 4b .. 4b+3). Pixels >= m_total and
+// (lane (g, q): pixel rows g and g + 8, channels 32b + 8q .. +7 from tiles 4b .. 4b+3). Pixels past the batch and
 // channels >= p0 are skipped; p0 % 8 == 0 keeps each chunk inside one pixel's row.
 template <class T, class F>
-__device__ __forceinline__ void for_each_output(const float (&acc)[kMTiles][8][4], int m_warp, int m_total, int n0,
-                                                int p0, float b1a, F&& store) {
+__device__ __forceinline__ void for_each_output(const StemArgs& a, const float (&acc)[kMTiles][8][4], int m_warp,
+                                                int n0, F&& store) {
+  const int m_total = a.n * (a.h >> 2) * (a.w >> 2), p0 = a.p0;
+  const float b1a = a.b1a ? *a.b1a : 0.f;  // block 1's scalar, read from device memory (graph replays see updates)
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, q = lane & 3;
 #pragma unroll
@@ -287,6 +289,25 @@ __device__ __forceinline__ void for_each_output(const float (&acc)[kMTiles][8][4
         store(m, col, make_uint4(xw[0], xw[1], xw[2], xw[3]), make_uint4(aw[0], aw[1], aw[2], aw[3]));
       }
     }
+}
+
+// The host side of every kernel that runs warp_gemm: returns visit.template operator()<E, kC>() for the input's
+// element type E and the channel count's specialisation kC (3: RGB, the workload that matters; 1: depth / grey; 0:
+// any other C, known at run time), or `unsupported` for an input dtype without a kernel.
+template <class R, class Visit>
+R dispatch_input(const StemArgs& a, R unsupported, Visit&& visit) {
+  auto by_channels = [&]<class E>() -> R {
+    if (a.c == 3) return visit.template operator()<E, 3>();
+    if (a.c == 1) return visit.template operator()<E, 1>();
+    return visit.template operator()<E, 0>();
+  };
+  switch (a.x_dtype) {
+    case InputDType::kF32: return by_channels.template operator()<float>();
+    case InputDType::kF16: return by_channels.template operator()<__half>();
+    case InputDType::kBF16: return by_channels.template operator()<__nv_bfloat16>();
+    case InputDType::kU8: return by_channels.template operator()<uint8_t>();
+  }
+  return unsupported;
 }
 
 }  // namespace kfuse::kernels::stem_tile
