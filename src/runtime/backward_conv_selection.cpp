@@ -167,7 +167,7 @@ DgradChoice dgrad_heuristic(const Conv2dProblem& p, ConvDType dtype, const ConvC
   DgradChoice c;
   if (flippable(p)) {
     c.kind = DgradChoice::Kind::kFlippedForward;
-    c.fprop = fprop;
+    c.fprop = fprop.unprepared();  // the flipped filter changes every step: nothing to prepare ahead
   } else {
     c.kind = DgradChoice::Kind::kStrided;
     c.tile = dtype == ConvDType::kBF16 || p.c < 128 ? BackwardTile::k128x64 : BackwardTile::k128x128;

@@ -61,7 +61,7 @@ int64_t tiles(const Conv2dProblem& p, ConvTile t) {
 
 std::string ConvConfig::name() const {
   if (is_cudnn()) return "cudnn_a" + std::to_string(cudnn_algo);
-  if (dense) return "dense_gemm";
+  if (dense) return unrolled ? "dense_unrolled" : "dense_gemm";
   const std::string base = tile_info(tile).name;
   if (is_sm90_tile(tile)) return base;
   return base + (parallel ? "_p" : "_k") + std::to_string(split_k);
@@ -77,6 +77,7 @@ bool fixup_conv_can_implement(const ConvConfig& c, const Conv2dProblem& p, ConvD
 }
 
 size_t fixup_conv_workspace_bytes(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype) {
+  if (c.dense && c.unrolled) return kernels::dense_conv_fprop_unrolled_workspace_bytes(p, dtype);
   if (c.dense) return kernels::dense_conv_fprop_workspace_bytes(p, dtype);
   if (c.parallel) return kernels::conv2d_fprop_fixup_parallel_workspace_bytes(p, dtype, c.tile, c.split_k);
   if (!c.is_cudnn()) return kernels::conv2d_fprop_fixup_workspace_bytes(p, dtype, c.tile, c.split_k);
@@ -93,10 +94,22 @@ cudaError_t run_fixup_conv(const ConvConfig& c, const Conv2dProblem& p, ConvDTyp
   if (!c.is_cudnn() && !c.dense)
     return kernels::conv2d_fprop_fixup(p, dtype, c.tile, x, w, y, e, c.split_k, workspace, workspace_bytes, stream);
   const cudaError_t err =
-      c.dense ? kernels::dense_conv_fprop(p, dtype, x, w, y, workspace, workspace_bytes, stream)
-              : kernels::cudnn_conv_fprop(p, dtype, c.cudnn_algo, x, w, y, workspace, workspace_bytes, stream);
+      c.dense && c.unrolled
+          ? kernels::dense_conv_fprop_unrolled(p, dtype, x, w, y, workspace, workspace_bytes, stream)
+      : c.dense ? kernels::dense_conv_fprop(p, dtype, x, w, y, workspace, workspace_bytes, stream)
+                : kernels::cudnn_conv_fprop(p, dtype, c.cudnn_algo, x, w, y, workspace, workspace_bytes, stream);
   if (err != cudaSuccess || kernels::fixup_epilogue_is_identity(e)) return err;
   return kernels::fixup_epilogue_inplace(y, size_t(gemm_m(p)) * p.k, dtype, e, stream);
+}
+
+size_t prepared_filter_bytes(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype) {
+  return c.dense && c.unrolled ? kernels::dense_conv_unrolled_filter_bytes(p, dtype) : 0;
+}
+
+cudaError_t prepare_conv_filter(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype, const void* w,
+                                void* dst, cudaStream_t stream) {
+  if (!(c.dense && c.unrolled)) return cudaErrorInvalidValue;
+  return kernels::dense_conv_unroll_filter(p, dtype, w, dst, stream);
 }
 
 std::string conv_shape_key(const Conv2dProblem& p) {
@@ -162,6 +175,8 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
   ConvConfig dense;
   dense.dense = true;
   if (!out.empty()) add(dense);  // tiny images only (dense_conv_can_implement)
+  dense.unrolled = true;
+  if (!out.empty()) add(dense);
   if (!out.empty()) {
     // Workspace capped (the encoder keeps two halves of the largest one): fast forward algorithms need little.
     constexpr size_t kMaxCudnnWorkspace = size_t(256) << 20;
@@ -179,6 +194,7 @@ ConvTuningScratch::~ConvTuningScratch() {
   cudaFree(w_);
   cudaFree(y_);
   cudaFree(ws_);
+  cudaFree(prepared_);
   cudaFree(scalars_);
 }
 
@@ -218,16 +234,38 @@ ConvConfig ConvTuningScratch::tune(const Conv2dProblem& p, ConvDType dtype, bool
   const size_t w_elems = size_t(p.k) * p.r * p.s * p.c;
   const size_t y_elems = size_t(gemm_m(p)) * p.k;
   size_t ws = 0;
-  for (const ConvConfig& c : cands) ws = std::max(ws, fixup_conv_workspace_bytes(c, p, dtype));
+  std::vector<size_t> prepared_at(cands.size(), SIZE_MAX);  // offsets into prepared_
+  size_t prepared_total = 0;
+  for (size_t i = 0; i < cands.size(); ++i) {
+    ws = std::max(ws, fixup_conv_workspace_bytes(cands[i], p, dtype));
+    if (const size_t b = prepared_filter_bytes(cands[i], p, dtype); b > 0) {
+      prepared_at[i] = prepared_total;
+      prepared_total += (b + 255) / 256 * 256;
+    }
+  }
 
   // Cached choices need no buffers; everything else runs on random data of the problem's size.
   auto make_timer = [&] {
     reserve(2 * x_elems, 2 * w_elems, 2 * y_elems, ws);
     upload_random(x_, x_elems, 1.0f, dtype, 1234u);
     upload_random(w_, w_elems, 1.0f / std::sqrt(float(gemm_k(p))), dtype, 5678u);
+    if (prepared_total > prepared_bytes_) {
+      cudaFree(prepared_);
+      prepared_ = nullptr;
+      prepared_bytes_ = 0;
+      check_cuda(cudaMalloc(&prepared_, prepared_total), "cudaMalloc (tuning prepared filters)");
+      prepared_bytes_ = prepared_total;
+    }
+    for (size_t i = 0; i < cands.size(); ++i)
+      if (prepared_at[i] != SIZE_MAX)
+        check_cuda(prepare_conv_filter(cands[i], p, dtype, w_, static_cast<uint8_t*>(prepared_) + prepared_at[i],
+                                       nullptr),
+                   "preparing the filter of " + cands[i].name() + " (tuning)");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (tuning prepared filters)");
     const kernels::FixupEpilogue e{scalars_, scalars_ + 1, scalars_ + 2, relu};
-    auto launch = [this, &p, dtype, &cands, e](size_t i, cudaStream_t stream) {
-      check_cuda(run_fixup_conv(cands[i], p, dtype, x_, w_, y_, e, ws_, ws_bytes_, stream),
+    auto launch = [this, &p, dtype, &cands, &prepared_at, e](size_t i, cudaStream_t stream) {
+      const void* w = prepared_at[i] == SIZE_MAX ? w_ : static_cast<const uint8_t*>(prepared_) + prepared_at[i];
+      check_cuda(run_fixup_conv(cands[i], p, dtype, x_, w, y_, e, ws_, ws_bytes_, stream),
                  "conv2d_fprop_fixup (tuning, " + cands[i].name() + ")");
     };
     // All candidates accumulate in fp32: they differ by summation order and one rounding of the output (~1e-3 in

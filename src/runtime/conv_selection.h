@@ -25,13 +25,22 @@ struct ConvConfig {
   // One dense GEMM over the flattened images (kernels/conv/dense_conv.h: tiny images, no padding taps multiplied),
   // then the FixUp epilogue as a separate pass, like cuDNN's.
   bool dense = false;
+  // With dense: the filter unrolled once ahead of time (prepare_conv_filter) rather than per call; run_fixup_conv
+  // then takes the prepared filter as its `w`. The inference forward keeps one per weight set.
+  bool unrolled = false;
+  // The same kernels taking the KRSC filter as it is (unrolled -> per call): for callers that keep no prepared filter.
+  ConvConfig unprepared() const {
+    ConvConfig c = *this;
+    c.unrolled = false;
+    return c;
+  }
   // Runs a library's launches (cuDNN's, cuBLAS's), which kfuse does not see: no programmatic launch next to them.
   bool is_library() const { return is_cudnn() || dense; }
-  // e.g. "sm80_128x64_k2", "sm80_128x128_p8" (parallel), "sm90_128x64", "cudnn_a1", "dense_gemm": stable, they are
-  // the tuning cache's values.
+  // e.g. "sm80_128x64_k2", "sm80_128x128_p8" (parallel), "sm90_128x64", "cudnn_a1", "dense_gemm",
+  // "dense_unrolled": stable, they are the tuning cache's values.
   std::string name() const;
   bool operator==(const ConvConfig& o) const {
-    return cudnn_algo == o.cudnn_algo && dense == o.dense &&
+    return cudnn_algo == o.cudnn_algo && dense == o.dense && unrolled == o.unrolled &&
            (is_cudnn() || dense || (tile == o.tile && split_k == o.split_k && parallel == o.parallel));
   }
 };
@@ -44,6 +53,13 @@ size_t fixup_conv_workspace_bytes(const ConvConfig& c, const kernels::Conv2dProb
 cudaError_t run_fixup_conv(const ConvConfig& c, const kernels::Conv2dProblem& p, kernels::ConvDType dtype,
                            const void* x, const void* w, void* y, const kernels::FixupEpilogue& epilogue,
                            void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// Configurations that run from a filter prepared ahead of time (ConvConfig::unrolled): its size (0: the
+// configuration takes the KRSC filter as it is) and the preparation from the KRSC filter w into `dst` (that many
+// bytes, 16-byte aligned; asynchronous on `stream`). Rerun it whenever w changes.
+size_t prepared_filter_bytes(const ConvConfig& c, const kernels::Conv2dProblem& p, kernels::ConvDType dtype);
+cudaError_t prepare_conv_filter(const ConvConfig& c, const kernels::Conv2dProblem& p, kernels::ConvDType dtype,
+                                const void* w, void* dst, cudaStream_t stream);
 
 // "n128_h16_w16_c64_k64_r3_s3_p1_u1": the problem as a tuning-cache shape.
 std::string conv_shape_key(const kernels::Conv2dProblem& p);
@@ -84,8 +100,9 @@ class ConvTuningScratch {
   void* w_ = nullptr;
   void* y_ = nullptr;
   void* ws_ = nullptr;
+  void* prepared_ = nullptr;  // the prepared filters of the candidates that need one, back to back
   float* scalars_ = nullptr;
-  size_t x_bytes_ = 0, w_bytes_ = 0, y_bytes_ = 0, ws_bytes_ = 0;
+  size_t x_bytes_ = 0, w_bytes_ = 0, y_bytes_ = 0, ws_bytes_ = 0, prepared_bytes_ = 0;
 };
 
 }  // namespace kfuse

@@ -106,6 +106,7 @@ EncoderGpu::~EncoderGpu() {
   cudaFree(m.weights);
   cudaFree(m.input_affine);
   cudaFree(m.conv_workspace);
+  for (auto& [k, f] : m.prepared) cudaFree(f.data);
   for (cudaEvent_t e : m.fork_events) cudaEventDestroy(e);
   for (cudaEvent_t e : m.join_events) cudaEventDestroy(e);
   if (m.side) cudaStreamDestroy(m.side);
@@ -202,6 +203,8 @@ void EncoderGpu::set_weights(const EncoderParams<float>& params) {
   // Forwards in flight on any stream (the caller's may be non-blocking) still read the old weights.
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   check_cuda(cudaMemcpy(m.weights, hw.bytes().data(), hw.bytes().size(), cudaMemcpyHostToDevice), "cudaMemcpy");
+  m.remake_prepared_filters(nullptr);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   if (!m.have_weights) set_input_affine({}, {});
   m.have_weights = true;
 }
@@ -233,6 +236,7 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
   Activations& act = m.buffers(g);  // std::map: the reference stays valid
   m.tune_on_first_use(g, stream);
   m.ensure_workspace(g);
+  m.ensure_prepared_filters(g, stream);
 
   const kernels::StemArgs stem = m.stem_args(x, act);
   kernels::SqueezeExciteArgs tail;

@@ -382,15 +382,70 @@ struct EncoderGpu::Impl {
     return rows;
   }
 
+  // w: the KRSC filter's offset in the weights. A configuration that runs from a prepared filter
+  // (ConvConfig::unrolled) uses the inference forward's (ensure_prepared_filters) where there is one; the training
+  // forward, whose weights change every step, and a forward captured by the caller before one was made run it from
+  // the KRSC filter instead (ensure_workspace sizes for both).
   void conv(const Conv2dProblem& p, const void* x, size_t w, void* y, const kernels::FixupEpilogue& e,
-            cudaStream_t stream, bool side_branch = false) {
-    const ConvConfig c = choose(p, e.relu);
+            cudaStream_t stream, bool side_branch, bool training) {
+    ConvConfig c = choose(p, e.relu);
+    const void* filter = wptr(w);
+    if (prepared_filter_bytes(c, p, dtype) > 0) {
+      const auto it = training ? prepared.end() : prepared.find(prepared_key(c, p, w));
+      if (it != prepared.end()) filter = it->second.data;
+      else c = c.unprepared();
+    }
     const size_t need = fixup_conv_workspace_bytes(c, p, dtype);
     if (need > conv_workspace_bytes) throw Error("kfuse: conv workspace too small (internal error)");
     void* ws = conv_workspace ? static_cast<uint8_t*>(conv_workspace) + (side_branch ? conv_workspace_bytes : 0)
                               : nullptr;
-    check_cuda(run_fixup_conv(c, p, dtype, x, wptr(w), y, e, ws, conv_workspace_bytes, stream),
+    check_cuda(run_fixup_conv(c, p, dtype, x, filter, y, e, ws, conv_workspace_bytes, stream),
                "conv2d_fprop_fixup (" + c.name() + ", " + conv_shape_key(p) + ")");
+  }
+
+  // Filters prepared ahead of time for the inference forward's convolutions (ConvConfig::unrolled), per
+  // (configuration, problem, filter offset): made before a geometry's first capture, remade in place by set_weights
+  // (so that captured graphs keep their addresses), freed with the encoder.
+  struct PreparedFilter {
+    ConvConfig config;
+    Conv2dProblem problem;
+    size_t w = 0;  // the KRSC filter's offset in the weights
+    void* data = nullptr;
+  };
+  std::map<std::string, PreparedFilter> prepared;
+  static std::string prepared_key(const ConvConfig& c, const Conv2dProblem& p, size_t w) {
+    return c.name() + "/" + conv_shape_key(p) + "/" + std::to_string(w);
+  }
+  // The KRSC filter of problem j of block i (problems(): conv1, conv2, shortcut).
+  size_t problem_filter(size_t i, size_t j) const { return j == 0 ? bw[i].conv1 : j == 1 ? bw[i].conv2 : bw[i].shortcut; }
+
+  void ensure_prepared_filters(const Geometry& g, cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;  // allocates: never inside someone's capture
+    check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+    if (capture != cudaStreamCaptureStatusNone) return;
+    int h = g.h / 4, w = g.w / 4;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const auto probs = problems(blocks[i], g.n, h, w);
+      for (size_t j = 0; j < probs.size(); ++j) {
+        const ConvConfig c = choose(probs[j], j == 0);
+        const size_t bytes = prepared_filter_bytes(c, probs[j], dtype);
+        const size_t wo = problem_filter(i, j);
+        if (bytes == 0 || prepared.count(prepared_key(c, probs[j], wo))) continue;
+        PreparedFilter f{c, probs[j], wo, nullptr};
+        check_cuda(cudaMalloc(&f.data, bytes), "cudaMalloc (prepared filter)");
+        prepared.emplace(prepared_key(c, probs[j], wo), f);
+        check_cuda(prepare_conv_filter(c, probs[j], dtype, wptr(wo), f.data, stream),
+                   "preparing the filter of " + c.name() + " (" + conv_shape_key(probs[j]) + ")");
+      }
+      h /= blocks[i].stride;
+      w /= blocks[i].stride;
+    }
+  }
+  // After the weights changed, on the stream that changed them (asynchronous).
+  void remake_prepared_filters(cudaStream_t stream) {
+    for (auto& [k, f] : prepared)
+      check_cuda(prepare_conv_filter(f.config, f.problem, dtype, wptr(f.w), f.data, stream),
+                 "preparing the filter of " + f.config.name());
   }
 
   std::map<Geometry, bool> checked;  // geometries whose convolutions were checked and sized
@@ -406,7 +461,8 @@ struct EncoderGpu::Impl {
         const ConvConfig c = choose(p, j == 0);
         if (!fixup_conv_can_implement(c, p, dtype))
           throw InvalidArgument("kfuse: the fused conv kernels cannot run block '" + b.prefix + "' at this size");
-        need = std::max(need, fixup_conv_workspace_bytes(c, p, dtype));
+        need = std::max({need, fixup_conv_workspace_bytes(c, p, dtype),
+                         fixup_conv_workspace_bytes(c.unprepared(), p, dtype)});  // conv(): either may run
       }
       h /= b.stride;
       w /= b.stride;
@@ -617,7 +673,8 @@ struct EncoderGpu::Impl {
         ensure_side_stream();
         check_cuda(cudaEventRecord(fork_events[i], stream), "cudaEventRecord");
         check_cuda(cudaStreamWaitEvent(side, fork_events[i], 0), "cudaStreamWaitEvent");
-        conv(probs[2], act.a[i], W.shortcut, act.idt[i], kernels::FixupEpilogue{}, side, /*side_branch=*/true);
+        conv(probs[2], act.a[i], W.shortcut, act.idt[i], kernels::FixupEpilogue{}, side, /*side_branch=*/true,
+             act.training);
         check_cuda(cudaEventRecord(join_events[i], side), "cudaEventRecord");
       }
       kernels::FixupEpilogue e1{nullptr, s + kB1b, s + kB2a, true};  // h + b2a = relu(acc + b1b) + b2a
@@ -627,21 +684,24 @@ struct EncoderGpu::Impl {
                    "conv1 with its FixUp epilogue (cuDNN graph, " + conv_shape_key(probs[0]) + ")");
       } else {
         kernels::PdlScope conv1_scope(chain && (pdl_policy < 3 || !b.has_downsample));
-        conv(probs[0], act.a[i], W.conv1, act.h2[i], e1, stream);
+        conv(probs[0], act.a[i], W.conv1, act.h2[i], e1, stream, false, act.training);
       }
-      kernels::FixupEpilogue e2{s + kScale, s + kB2b, nullptr, false};  // o = acc * scale + b2b
-      if (act.conv2_raw) e2 = kernels::FixupEpilogue{};                 // ... applied by the squeeze-excite
+      // o = acc * scale + b2b, or raw: applied by the squeeze-excite as it reads o. Raw also where a library runs
+      // conv2 (cuDNN, cuBLAS), whose FixUp epilogue would be a pass of its own over o.
+      const bool raw2 = act.conv2_raw || choose(probs[1], false).is_library();
+      kernels::FixupEpilogue e2{s + kScale, s + kB2b, nullptr, false};
+      if (raw2) e2 = kernels::FixupEpilogue{};
       {
         kernels::PdlScope conv2_scope(chain && (pdl_policy < 2 || !b.has_downsample));
-        conv(probs[1], act.h2[i], W.conv2, act.o[i], e2, stream);
+        conv(probs[1], act.h2[i], W.conv2, act.o[i], e2, stream, false, act.training);
       }
       if (b.has_downsample)  // join before the squeeze-excite, which reads the shortcut's output
         check_cuda(cudaStreamWaitEvent(stream, join_events[i], 0), "cudaStreamWaitEvent");
 
       kernels::SqueezeExciteArgs se = tail;  // out_nchw / out_f32 are the tail's; cleared below for inner blocks
       se.o = act.o[i];
-      se.o_scale = act.conv2_raw ? s + kScale : nullptr;
-      se.o_shift = act.conv2_raw ? s + kB2b : nullptr;
+      se.o_scale = raw2 ? s + kScale : nullptr;
+      se.o_shift = raw2 ? s + kB2b : nullptr;
       se.identity = b.has_downsample ? act.idt[i] : act.x[i];
       se.n = g.n;
       se.hw = (h / b.stride) * (w / b.stride);

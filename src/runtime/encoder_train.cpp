@@ -449,6 +449,7 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
   }
   check_cuda(kernels::launch_pack_params(t.d_pack_jobs, int(jobs.size()), m.weights, m.dtype, stream),
              "parameter packing kernel");
+  m.remake_prepared_filters(stream);  // the inference forward's, from the new filters
   if (!m.have_weights) set_input_affine({}, {});
   m.have_weights = true;
 }

@@ -92,20 +92,35 @@ TEST(ConvSelection, ParallelSplitOnlyWhereTilesLeaveSmsIdle) {
 TEST(ConvSelection, DenseGemmOnlyWhereItSkipsPaddingTaps) {
   // 2x2 maps under a 3x3 filter: 4 of 9 taps are real, so the dense GEMM does 4/9 of the implicit GEMM's work; at
   // 4x4 (16 pixels > 9 taps) it would do more.
-  auto has_dense = [](const Conv2dProblem& p) {
-    for (const ConvConfig& c : kfuse::conv_candidates(p, ConvDType::kF16, 9, 132))
-      if (c.dense) return true;
-    return false;
+  // Both forms: the filter unrolled per call, and unrolled ahead of time (a prepared filter).
+  auto dense_count = [](const Conv2dProblem& p) {
+    int n = 0;
+    for (const ConvConfig& c : kfuse::conv_candidates(p, ConvDType::kF16, 9, 132)) n += c.dense;
+    return n;
   };
-  EXPECT_TRUE(has_dense(problem(2048, 2, 512, 512, 1)));
-  EXPECT_TRUE(has_dense(problem(1, 2, 512, 512, 1)));
-  EXPECT_FALSE(has_dense(problem(2048, 4, 256, 256, 1)));
-  EXPECT_FALSE(has_dense(problem(2048, 4, 256, 512, 2)));
+  EXPECT_EQ(dense_count(problem(2048, 2, 512, 512, 1)), 2);
+  EXPECT_EQ(dense_count(problem(1, 2, 512, 512, 1)), 2);
+  EXPECT_EQ(dense_count(problem(2048, 4, 256, 256, 1)), 0);
+  EXPECT_EQ(dense_count(problem(2048, 4, 256, 512, 2)), 0);
   ConvConfig dense;
   dense.dense = true;
   EXPECT_EQ(dense.name(), "dense_gemm");
   EXPECT_TRUE(dense.is_library());
   EXPECT_FALSE(dense == ConvConfig{});
+  const Conv2dProblem p = problem(128, 2, 512, 512, 1);
+  EXPECT_EQ(kfuse::prepared_filter_bytes(dense, p, ConvDType::kF16), 0u);
+  ConvConfig unrolled = dense;
+  unrolled.unrolled = true;
+  EXPECT_EQ(unrolled.name(), "dense_unrolled");
+  EXPECT_FALSE(unrolled == dense);
+  EXPECT_TRUE(unrolled.unprepared() == dense);
+  // [Ho*Wo*K][H*W*C] of fp16: 2048 x 2048 for block 4's conv2.
+  EXPECT_EQ(kfuse::prepared_filter_bytes(unrolled, p, ConvDType::kF16), size_t(2048) * 2048 * 2);
+  // The per-call form's workspace holds that filter too; the prepared form's only cuBLAS's.
+  EXPECT_EQ(kfuse::fixup_conv_workspace_bytes(dense, p, ConvDType::kF16) -
+                kfuse::fixup_conv_workspace_bytes(unrolled, p, ConvDType::kF16),
+            size_t(2048) * 2048 * 2);
+  EXPECT_EQ(kfuse::prepare_conv_filter(dense, p, ConvDType::kF16, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
   EXPECT_FALSE(kfuse::kernels::dense_conv_can_implement(problem(4, 2, 12, 512, 1), ConvDType::kF16));  // C % 8
 }
 

@@ -102,7 +102,16 @@ TEST_P(ForwardCandidates, EveryCandidateMatchesFloat64) {
     ASSERT_EQ(ws.alloc(std::max<size_t>(kfuse::fixup_conv_workspace_bytes(c, p, dt), 256)), cudaSuccess);
     ASSERT_EQ(cudaMemset(d_y.ptr, 0xff, d_y.bytes), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(kfuse::run_fixup_conv(c, p, dt, d_x.ptr, d_w.ptr, d_y.ptr, e, ws.ptr, ws.bytes, stream.stream),
+    // A configuration that runs from a prepared filter gets it made from the KRSC filter first.
+    DeviceBuffer prepared;
+    const void* filter = d_w.ptr;
+    if (const size_t bytes = kfuse::prepared_filter_bytes(c, p, dt); bytes > 0) {
+      ASSERT_EQ(prepared.alloc(bytes), cudaSuccess);
+      ASSERT_EQ(cudaMemset(prepared.ptr, 0xff, prepared.bytes), cudaSuccess);
+      ASSERT_EQ(kfuse::prepare_conv_filter(c, p, dt, d_w.ptr, prepared.ptr, stream.stream), cudaSuccess);
+      filter = prepared.ptr;
+    }
+    ASSERT_EQ(kfuse::run_fixup_conv(c, p, dt, d_x.ptr, filter, d_y.ptr, e, ws.ptr, ws.bytes, stream.stream),
               cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream.stream), cudaSuccess);
     std::vector<uint16_t> bits(grad_elems(p));

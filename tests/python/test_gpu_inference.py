@@ -1,6 +1,7 @@
 """GPU tier: the fused CUDA inference path against the float64 reference (skipped without a CUDA GPU)."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -340,6 +341,39 @@ def test_misaligned_input_replays_correctly(make_reference):
         y_shifted = enc(shifted)
     assert rel_err(y_aligned, y_ref) <= TOL
     assert rel_err(y_shifted, y_ref) <= TOL
+
+
+def test_prepared_dense_filter_follows_new_weights(make_reference, tmp_path, monkeypatch):
+    """Block 4's conv2 as the dense GEMM from a filter unrolled ahead of time (a tuning cache whose entry for that
+    shape names dense_unrolled, so the choice does not depend on timings): it matches the float64 reference, eager and
+    replayed, and still does after new weights go into the same engine (set_weights remakes the prepared filter in
+    place; a stale one would give the old weights' answer)."""
+    monkeypatch.setenv("KFUSE_CACHE_DIR", str(tmp_path))
+    shape = "n8_h2_w2_c512_k512_r3_s3_p1_u1"
+    ref = make_reference(in_channels=3, seed=41)
+    rows = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16).tune(batch=8, mode="retune", verbose=False)
+    row = next(r for r in rows if r["shape"] == shape)
+    assert "dense_unrolled" in [c["name"] for c in row["candidates"]]
+    cache = json.loads((tmp_path / "tuning.json").read_text())
+    keys = [k for k in cache["entries"] if shape in k]
+    assert keys
+    for k in keys:
+        cache["entries"][k]["candidate"] = "dense_unrolled"
+    (tmp_path / "tuning.json").write_text(json.dumps(cache))
+    enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)
+    rows = enc.tune(batch=8, mode="on", verbose=False)
+    assert next(r for r in rows if r["shape"] == shape)["choice"] == "dense_unrolled"
+    x = torch.rand(8, 3, 64, 64, generator=torch.Generator().manual_seed(43), dtype=torch.float64)
+    for seed in (41, 42):
+        if seed == 42:
+            ref = make_reference(in_channels=3, seed=seed)
+            enc.load_state_dict(ref.state_dict())
+        y_ref = reference64(ref, x)
+        for call in range(3):  # eager, captured, replayed
+            with torch.no_grad():
+                y = enc(x.half().cuda())
+            assert not torch.isnan(y).any()
+            assert rel_err(y, y_ref) <= TOL, f"weights {seed}, call {call}"
 
 
 def test_tune_reports_every_convolution_and_is_cached(make_reference, tmp_path, monkeypatch):

@@ -127,9 +127,36 @@ bool dense_conv_can_implement(const Conv2dProblem& p, ConvDType dtype) {
   return size_t(d.kd) * size_t(d.nd) * 4 <= kMaxUnrolledBytes;  // fp32: the weight gradient's
 }
 
-size_t dense_conv_fprop_workspace_bytes(const Conv2dProblem& p, ConvDType) {
+size_t dense_conv_unrolled_filter_bytes(const Conv2dProblem& p, ConvDType) {
   const Dims d = dims(p);
-  return up256(size_t(d.kd) * d.nd * 2) + kCublasWorkspace;
+  return up256(size_t(d.kd) * d.nd * 2);
+}
+
+cudaError_t dense_conv_unroll_filter(const Conv2dProblem& p, ConvDType dtype, const void* w, void* wd,
+                                     cudaStream_t stream) {
+  if (!dense_conv_can_implement(p, dtype) || !w || !wd || !aligned16(w) || !aligned16(wd)) return cudaErrorInvalidValue;
+  const Dims d = dims(p);
+  const dim3 grid(unsigned((d.kd / 8 + 255) / 256), unsigned(d.nd));
+  unroll_filter_kernel<<<grid, 256, 0, stream>>>(geo(p), static_cast<const uint4*>(w), static_cast<uint4*>(wd));
+  return cudaGetLastError();
+}
+
+size_t dense_conv_fprop_unrolled_workspace_bytes(const Conv2dProblem&, ConvDType) { return kCublasWorkspace; }
+
+cudaError_t dense_conv_fprop_unrolled(const Conv2dProblem& p, ConvDType dtype, const void* x, const void* wd, void* y,
+                                      void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (!dense_conv_can_implement(p, dtype) || !x || !wd || !y || !workspace ||
+      workspace_bytes < dense_conv_fprop_unrolled_workspace_bytes(p, dtype) || !aligned16(x) || !aligned16(wd) ||
+      !aligned16(y) || !aligned16(workspace))
+    return cudaErrorInvalidValue;
+  const Dims d = dims(p);
+  // Row-major y[n][nd] = x[n][kd] Wd^T, Wd row-major [nd][kd]: column-major y^T = op_T(Wd) x^T.
+  const cudaDataType_t t = cuda_type(dtype);
+  return gemm(CUBLAS_OP_T, CUBLAS_OP_N, d.nd, p.n, d.kd, wd, t, d.kd, x, t, d.kd, y, t, d.nd, workspace, stream);
+}
+
+size_t dense_conv_fprop_workspace_bytes(const Conv2dProblem& p, ConvDType dtype) {
+  return dense_conv_unrolled_filter_bytes(p, dtype) + kCublasWorkspace;
 }
 
 cudaError_t dense_conv_fprop(const Conv2dProblem& p, ConvDType dtype, const void* x, const void* w, void* y,
@@ -138,15 +165,10 @@ cudaError_t dense_conv_fprop(const Conv2dProblem& p, ConvDType dtype, const void
       workspace_bytes < dense_conv_fprop_workspace_bytes(p, dtype) || !aligned16(x) || !aligned16(w) ||
       !aligned16(y) || !aligned16(workspace))
     return cudaErrorInvalidValue;
-  const Dims d = dims(p);
   auto* wd = static_cast<uint8_t*>(workspace);
-  void* cublas_ws = wd + up256(size_t(d.kd) * d.nd * 2);
-  const dim3 grid(unsigned((d.kd / 8 + 255) / 256), unsigned(d.nd));
-  unroll_filter_kernel<<<grid, 256, 0, stream>>>(geo(p), static_cast<const uint4*>(w), reinterpret_cast<uint4*>(wd));
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  // Row-major y[n][nd] = x[n][kd] Wd^T, Wd row-major [nd][kd]: column-major y^T = op_T(Wd) x^T.
-  const cudaDataType_t t = cuda_type(dtype);
-  return gemm(CUBLAS_OP_T, CUBLAS_OP_N, d.nd, p.n, d.kd, wd, t, d.kd, x, t, d.kd, y, t, d.nd, cublas_ws, stream);
+  const size_t wd_bytes = dense_conv_unrolled_filter_bytes(p, dtype);
+  if (const cudaError_t e = dense_conv_unroll_filter(p, dtype, w, wd, stream); e != cudaSuccess) return e;
+  return dense_conv_fprop_unrolled(p, dtype, x, wd, y, wd + wd_bytes, workspace_bytes - wd_bytes, stream);
 }
 
 size_t dense_conv_wgrad_workspace_bytes(const Conv2dProblem& p, ConvDType) {
