@@ -124,12 +124,23 @@ grep -v '^\[kfuse tune\] \[' "$logs/tune.log" | tail -60
 if "$py" -m kfuse tune --channels 3 --batch 128 --mode on --out build-gpu/tune-cached >"$logs/tune-cached.log" 2>&1
 then status[tune-cached]="ok: $(grep -m1 'convolutions in' "$logs/tune-cached.log")"
 else status[tune-cached]="FAILED"; tail -20 "$logs/tune-cached.log"; fi
+# racecheck reports read/write hazards inside cuBLAS's own kernels (nvjet*: the dense GEMM of block 4's conv2, PERF.md
+# session 22), on cuBLAS's private shared memory, which kfuse neither owns nor can change: those are listed but do
+# not fail the run; a hazard with any other kernel, or any other error, does. (Excluding nvjet from the check with
+# --kernel-name-exclude skips its launches altogether, and the forward then fails.) memcheck checks every kernel.
 if ((sanitize)) && command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck; do
-    if compute-sanitizer --tool "$tool" --error-exitcode 1 "$example" "" 2 >"$logs/sanitizer-$tool.log" 2>&1; then
-      status[sanitizer-$tool]="ok: $(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/sanitizer-$tool.log")"
-    else status[sanitizer-$tool]="FAILED"; grep -m5 -E 'ERROR|Invalid|hazard' "$logs/sanitizer-$tool.log"; fi
-  done
+  log="$logs/sanitizer-memcheck.log"
+  if compute-sanitizer --tool memcheck --error-exitcode 1 "$example" "" 2 >"$log" 2>&1; then
+    status[sanitizer-memcheck]="ok: $(grep -m1 'ERROR SUMMARY' "$log")"
+  else status[sanitizer-memcheck]="FAILED"; grep -m5 -E 'ERROR|Invalid' "$log"; fi
+  log="$logs/sanitizer-racecheck.log"
+  compute-sanitizer --tool racecheck "$example" "" 2 >"$log" 2>&1
+  rc=$?
+  ours=$(grep -E 'access at ' "$log" | grep -vc 'access at nvjet' || true)
+  library=$(grep -E 'access at nvjet' "$log" | grep -c 'Race reported' || true)
+  if ((rc == 0)) && ((ours == 0)) && ! grep -qE 'Internal Sanitizer Error|Target application returned an error' "$log"; then
+    status[sanitizer-racecheck]="ok: no hazard in kfuse's kernels (cuBLAS-internal reports: $library)"
+  else status[sanitizer-racecheck]="FAILED"; grep -m5 -E 'Error|hazard|access at' "$log"; fi
 fi
 
 # Per-kernel device times of one batch-128 forward (ncu, one pass per kernel) and the host overhead per call.
