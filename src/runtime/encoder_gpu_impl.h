@@ -404,8 +404,9 @@ struct EncoderGpu::Impl {
   }
 
   // Filters prepared ahead of time for the inference forward's convolutions (ConvConfig::unrolled), per
-  // (configuration, problem, filter offset): made before a geometry's first capture, remade in place by set_weights
-  // (so that captured graphs keep their addresses), freed with the encoder.
+  // (configuration, problem, filter offset): made on the caller's stream before a geometry's first launch, remade in
+  // place by set_weights and set_weights_device (so that captured graphs keep their addresses), freed with the
+  // encoder.
   struct PreparedFilter {
     ConvConfig config;
     Conv2dProblem problem;
@@ -417,7 +418,9 @@ struct EncoderGpu::Impl {
     return c.name() + "/" + conv_shape_key(p) + "/" + std::to_string(w);
   }
   // The KRSC filter of problem j of block i (problems(): conv1, conv2, shortcut).
-  size_t problem_filter(size_t i, size_t j) const { return j == 0 ? bw[i].conv1 : j == 1 ? bw[i].conv2 : bw[i].shortcut; }
+  size_t problem_filter(size_t i, size_t j) const {
+    return j == 0 ? bw[i].conv1 : j == 1 ? bw[i].conv2 : bw[i].shortcut;
+  }
 
   void ensure_prepared_filters(const Geometry& g, cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;  // allocates: never inside someone's capture
