@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 
@@ -116,6 +117,15 @@ cudaError_t gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t 
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
+// A launcher's arguments: p runs densely, every pointer is non-null and 16-byte aligned, the workspace holds `need`.
+bool valid_args(const Conv2dProblem& p, ConvDType dtype, std::initializer_list<const void*> ptrs,
+                size_t workspace_bytes = 0, size_t need = 0) {
+  if (!dense_conv_can_implement(p, dtype) || workspace_bytes < need) return false;
+  for (const void* q : ptrs)
+    if (!q || !aligned16(q)) return false;
+  return true;
+}
+
 }  // namespace
 
 bool dense_conv_can_implement(const Conv2dProblem& p, ConvDType dtype) {
@@ -134,7 +144,7 @@ size_t dense_conv_unrolled_filter_bytes(const Conv2dProblem& p, ConvDType) {
 
 cudaError_t dense_conv_unroll_filter(const Conv2dProblem& p, ConvDType dtype, const void* w, void* wd,
                                      cudaStream_t stream) {
-  if (!dense_conv_can_implement(p, dtype) || !w || !wd || !aligned16(w) || !aligned16(wd)) return cudaErrorInvalidValue;
+  if (!valid_args(p, dtype, {w, wd})) return cudaErrorInvalidValue;
   const Dims d = dims(p);
   const dim3 grid(unsigned((d.kd / 8 + 255) / 256), unsigned(d.nd));
   unroll_filter_kernel<<<grid, 256, 0, stream>>>(geo(p), static_cast<const uint4*>(w), static_cast<uint4*>(wd));
@@ -145,10 +155,8 @@ size_t dense_conv_fprop_unrolled_workspace_bytes(const Conv2dProblem&, ConvDType
 
 cudaError_t dense_conv_fprop_unrolled(const Conv2dProblem& p, ConvDType dtype, const void* x, const void* wd, void* y,
                                       void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (!dense_conv_can_implement(p, dtype) || !x || !wd || !y || !workspace ||
-      workspace_bytes < dense_conv_fprop_unrolled_workspace_bytes(p, dtype) || !aligned16(x) || !aligned16(wd) ||
-      !aligned16(y) || !aligned16(workspace))
-    return cudaErrorInvalidValue;
+  const size_t need = dense_conv_fprop_unrolled_workspace_bytes(p, dtype);
+  if (!valid_args(p, dtype, {x, wd, y, workspace}, workspace_bytes, need)) return cudaErrorInvalidValue;
   const Dims d = dims(p);
   // Row-major y[n][nd] = x[n][kd] Wd^T, Wd row-major [nd][kd]: column-major y^T = op_T(Wd) x^T.
   const cudaDataType_t t = cuda_type(dtype);
@@ -161,9 +169,7 @@ size_t dense_conv_fprop_workspace_bytes(const Conv2dProblem& p, ConvDType dtype)
 
 cudaError_t dense_conv_fprop(const Conv2dProblem& p, ConvDType dtype, const void* x, const void* w, void* y,
                              void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (!dense_conv_can_implement(p, dtype) || !x || !w || !y || !workspace ||
-      workspace_bytes < dense_conv_fprop_workspace_bytes(p, dtype) || !aligned16(x) || !aligned16(w) ||
-      !aligned16(y) || !aligned16(workspace))
+  if (!valid_args(p, dtype, {x, w, y, workspace}, workspace_bytes, dense_conv_fprop_workspace_bytes(p, dtype)))
     return cudaErrorInvalidValue;
   auto* wd = static_cast<uint8_t*>(workspace);
   const size_t wd_bytes = dense_conv_unrolled_filter_bytes(p, dtype);
@@ -178,9 +184,7 @@ size_t dense_conv_wgrad_workspace_bytes(const Conv2dProblem& p, ConvDType) {
 
 cudaError_t dense_conv_wgrad(const Conv2dProblem& p, ConvDType dtype, const void* dy, const void* x, float* dw,
                              void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (!dense_conv_can_implement(p, dtype) || !dy || !x || !dw || !workspace ||
-      workspace_bytes < dense_conv_wgrad_workspace_bytes(p, dtype) || !aligned16(dy) || !aligned16(x) ||
-      !aligned16(dw) || !aligned16(workspace))
+  if (!valid_args(p, dtype, {dy, x, dw, workspace}, workspace_bytes, dense_conv_wgrad_workspace_bytes(p, dtype)))
     return cudaErrorInvalidValue;
   const Dims d = dims(p);
   auto* dwd = static_cast<float*>(workspace);
