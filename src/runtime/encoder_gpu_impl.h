@@ -377,6 +377,7 @@ struct EncoderGpu::Impl {
     if (changed) {  // workspace sizes and captured kernels may be stale; graphs in flight must finish first
       check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       checked.clear();
+      prepared_for.clear();
       clear_graphs();
     }
     return rows;
@@ -422,7 +423,11 @@ struct EncoderGpu::Impl {
     return j == 0 ? bw[i].conv1 : j == 1 ? bw[i].conv2 : bw[i].shortcut;
   }
 
+  std::set<Geometry> prepared_for;  // geometries whose prepared filters exist for the current choices
+
+  // Once per geometry and set of choices (it runs on every forward call: the host path of a replay).
   void ensure_prepared_filters(const Geometry& g, cudaStream_t stream) {
+    if (prepared_for.count(g)) return;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;  // allocates: never inside someone's capture
     check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
     if (capture != cudaStreamCaptureStatusNone) return;
@@ -443,6 +448,7 @@ struct EncoderGpu::Impl {
       h /= blocks[i].stride;
       w /= blocks[i].stride;
     }
+    prepared_for.insert(g);
   }
   // After the weights changed, on the stream that changed them (asynchronous).
   void remake_prepared_filters(cudaStream_t stream) {
