@@ -78,4 +78,18 @@ __device__ __forceinline__ void stsm_x4_trans(uint32_t addr, const uint32_t (&r)
                : "memory");
 }
 
+// The same without the transpose: matrix l / 8's row l % 8 receives row l % 8 of the fragment's matrix (the
+// accumulator's rows stay rows: a pixel-major tile with 8 channels per 16-byte row).
+__device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// Named barrier `id` (1-15; 0 is __syncthreads) over the first `count` threads of the CTA (a multiple of 32), for
+// kernels whose other warps (a copy producer) never join.
+__device__ __forceinline__ void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 }  // namespace kfuse::kernels::ptx

@@ -79,6 +79,11 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
     KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_WGMMA_BLOCK must be 0 (off) or 1, got '", on, "'");
     m.wgmma_blocks = on == "1";
   }
+  if (const char* v = std::getenv("KFUSE_FUSED_DOWN"); v && *v) {
+    const std::string on = v;
+    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_DOWN must be 0 (off) or 1, got '", on, "'");
+    m.fuse_down = on == "1";
+  }
   m.cc_major = info.major;
   m.cc_minor = info.minor;
   int optin = 0;
@@ -154,6 +159,10 @@ int EncoderGpu::wgmma_block_count(int h, int w) const {
   const Impl& m = *impl_;
   return count_blocks(m, h, w, [&](size_t i, int bh, int bw) { return m.wgmma_block_applies(i, bh, bw); });
 }
+int EncoderGpu::down_block_count(int h, int w) const {
+  const Impl& m = *impl_;
+  return count_blocks(m, h, w, [&](size_t i, int bh, int bw) { return m.down_block_applies(i, bh, bw); });
+}
 bool EncoderGpu::stem_in_block(int n, int h, int w) const {
   const Impl& m = *impl_;
   KFUSE_CHECK(n >= 1, InvalidArgument, "stem_in_block: n must be >= 1, got ", n);
@@ -189,6 +198,12 @@ void EncoderGpu::set_weights(const EncoderParams<float>& params) {
     if (b.has_downsample) {
       const HostTensor<float>& wd = params.at(b.prefix + b.downsample_weight());
       hw.put_t(W.shortcut, b.stride > 1 ? pooled_shortcut_krsc(wd) : krsc(wd));
+      if (W.down_stream != kNone) {
+        const DownStreamOffsets o = down_stream_offsets(b);
+        hw.put_t(W.down_stream + o.shortcut, tap_planes(wd));
+        hw.put_t(W.down_stream + o.conv1, tap_planes(w1));
+        hw.put_t(W.down_stream + o.conv2, tap_planes(w2));
+      }
     }
     hw.put_f32(W.fc1_w, params.at(b.prefix + "se.excite.0.weight").values());
     hw.put_f32(W.fc1_b, params.at(b.prefix + "se.excite.0.bias").values());

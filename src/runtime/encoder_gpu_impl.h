@@ -108,11 +108,26 @@ struct BlockWeights {  // byte offsets into the packed weights; kNone where the 
   size_t conv1, shortcut, conv2, fc1_w, fc1_b, fc2_w, fc2_b, scalars;
   size_t conv2_flip, conv1_flip;  // training only: data gradients of the stride-1 convs as forward convs
   size_t conv1_planes, conv2_planes;  // blocks of the warpgroup-MMA kernel's shape: its filter images (tap_planes)
+  size_t down_stream;  // downsampling blocks of the fused kernel's shape: its filter stream (down_stream_offsets)
 };
 // Whether a block has the shape of kernels::launch_fused_block / launch_fused_block_wgmma (64 -> 64 channels, stride
 // 1, the identity shortcut, hidden = 4; the image size and the device decide the rest).
 inline bool fusable_block_shape(const EncoderConfig::Block& b) {
   return !b.has_downsample && b.stride == 1 && b.in_planes == 64 && b.planes == 64 && b.se_hidden == 4;
+}
+// Whether a block has the shape of kernels::launch_fused_down_block_wgmma (64 -> 128 channels, stride 2, the pooled
+// shortcut, hidden = 8: block 2 of the default network).
+inline bool fusable_down_block_shape(const EncoderConfig::Block& b) {
+  return b.has_downsample && b.stride == 2 && b.in_planes == 64 && b.planes == 128 && b.se_hidden == 8;
+}
+// That kernel's filter stream: the shortcut's 1x1 filter, conv1's and conv2's, each as tap planes, contiguous (byte
+// offsets from its start, and its size).
+struct DownStreamOffsets {
+  size_t shortcut, conv1, conv2, bytes;
+};
+inline DownStreamOffsets down_stream_offsets(const EncoderConfig::Block& b) {
+  const size_t sc = 2 * size_t(b.planes) * b.in_planes, c1 = 9 * sc, c2 = 2 * size_t(b.planes) * 9 * b.planes;
+  return {0, sc, sc + c1, sc + c1 + c2};
 }
 struct WeightLayout {
   size_t stem_w = 0;
@@ -152,6 +167,7 @@ inline WeightLayout plan_weights(const EncoderConfig& config, const std::vector<
     const bool planes = fusable_block_shape(b);
     L.blocks[i].conv1_planes = planes ? take(2 * size_t(b.planes) * 9 * b.in_planes) : kNone;
     L.blocks[i].conv2_planes = planes ? take(2 * size_t(b.planes) * 9 * b.planes) : kNone;
+    L.blocks[i].down_stream = fusable_down_block_shape(b) ? take(down_stream_offsets(b).bytes) : kNone;
   }
   return L;
 }
@@ -242,6 +258,9 @@ struct EncoderGpu::Impl {
   // Where they apply (Hopper, 16 x 16 maps), such blocks run as the warpgroup-MMA kernel instead, in inference and in
   // the training forward (kernels::launch_fused_block_wgmma); KFUSE_WGMMA_BLOCK=0: never (the A/B switch).
   bool wgmma_blocks = true;
+  // Where it applies (Hopper, 16 x 16 input maps), a downsampling block of kernels::launch_fused_down_block_wgmma's
+  // shape runs as that one kernel in the inference forward; KFUSE_FUSED_DOWN=0: never (the A/B switch).
+  bool fuse_down = true;
   int cc_major = 0, cc_minor = 0;
   size_t smem_optin = 0;  // the device's shared memory per block with opt-in
   std::map<Geometry, Activations> activations;
@@ -564,11 +583,15 @@ struct EncoderGpu::Impl {
 
   // Whether any convolution of geometry g runs through cuDNN or cuBLAS, whose launches (a memset, several kernels)
   // kfuse does not see: then no launch of the forward is programmatic.
-  bool any_cudnn(const Geometry& g) const {
+  // Blocks that the inference forward runs as one fused kernel launch no convolution of their own.
+  bool any_cudnn(const Geometry& g, bool training) const {
     int h = g.h / 4, w = g.w / 4;
-    for (const auto& b : blocks) {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const auto& b = blocks[i];
+      const bool fused = !training && (down_block_applies(i, h, w) || wgmma_block_applies(i, h, w) ||
+                                       fused_block_applies(i, h, w));
       const auto probs = problems(b, g.n, h, w);
-      for (size_t j = 0; j < probs.size(); ++j)
+      for (size_t j = 0; j < probs.size() && !fused; ++j)
         if (choose(probs[j], j == 0).is_library()) return true;
       h /= b.stride;
       w /= b.stride;
@@ -607,6 +630,15 @@ struct EncoderGpu::Impl {
     const size_t smem = kernels::fused_block_wgmma_smem_bytes(h, w, cc_major, cc_minor);
     return smem != 0 && smem <= smem_optin;
   }
+  // Whether block i, whose input is h x w, runs as the fused downsampling kernel in the inference forward (with a
+  // next block, which takes its a_next).
+  bool down_block_applies(size_t i, int h, int w) const {
+    if (!fuse_down || i + 1 >= blocks.size() || bw[i].down_stream == kNone) return false;
+    const auto& b = blocks[i];
+    const size_t smem =
+        kernels::fused_down_block_smem_bytes(b.in_planes, b.planes, b.se_hidden, h, w, cc_major, cc_minor);
+    return smem != 0 && smem <= smem_optin;
+  }
   bool fusable_block(size_t i) const { return fuse_blocks && i + 1 < blocks.size() && fusable_block_shape(blocks[i]); }
   // Whether the inference forward of geometry g computes the stem inside block 1's warpgroup-MMA kernel: that kernel
   // applies, and every CTA has at most one image (it stages the stem's weights in its second image buffer).
@@ -633,7 +665,7 @@ struct EncoderGpu::Impl {
       if (ends) ends->stem = last_captured_node(stream);
     }
     const bool fused_cudnn = std::any_of(act.h.begin(), act.h.end(), [](void* p) { return p != nullptr; });
-    const bool chain = use_pdl && !any_cudnn(g) && !fused_cudnn;
+    const bool chain = use_pdl && !any_cudnn(g, act.training) && !fused_cudnn;
     kernels::PdlScope programmatic(chain);
     int h = g.h / 4, w = g.w / 4;
     for (size_t i = 0; i < blocks.size(); ++i) {
@@ -676,6 +708,26 @@ struct EncoderGpu::Impl {
           check_cuda(kernels::launch_fused_block(fb, dtype, stream), "fused block kernel");
         if (with_stem && ends) ends->stem = last_captured_node(stream), ends->stem_in_block = true;
         continue;  // stride 1: h and w stay
+      }
+      if (!act.training && down_block_applies(i, h, w)) {
+        kernels::FusedDownBlockArgs db;
+        db.a = act.a[i];
+        db.filters = wptr(W.down_stream);
+        db.scalars = s;
+        db.fc1_w = fptr(W.fc1_w);
+        db.fc1_b = fptr(W.fc1_b);
+        db.fc2_w = fptr(W.fc2_w);
+        db.fc2_b = fptr(W.fc2_b);
+        db.in_planes = b.in_planes, db.planes = b.planes, db.hidden = b.se_hidden;
+        db.n = g.n, db.h = h, db.w = w;
+        db.a_next = act.a[i + 1];
+        db.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
+        if (!blocks[i + 1].has_downsample) db.y = act.x[i + 1];
+        kernels::PdlScope down_scope(chain);
+        check_cuda(kernels::launch_fused_down_block_wgmma(db, dtype, stream), "fused downsampling block kernel");
+        h /= b.stride;
+        w /= b.stride;
+        continue;
       }
       if (b.has_downsample) {  // fork: the shortcut needs only a[i], like conv1
         kernels::PdlScope off(false);

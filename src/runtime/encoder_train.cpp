@@ -424,6 +424,12 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
         add(wd, W.shortcut, int64_t(P) * 9 * C, PackKind::kPooled, P, C, 1, 1);
       else
         add(wd, W.shortcut, int64_t(P) * C, PackKind::kKrsc, P, C, 1, 1);
+      if (W.down_stream != kNone) {
+        const DownStreamOffsets o = down_stream_offsets(b);
+        add(wd, W.down_stream + o.shortcut, int64_t(P) * C, PackKind::kTapPlanes, P, C, 1, 1);
+        add(w1, W.down_stream + o.conv1, int64_t(P) * 9 * C, PackKind::kTapPlanes, P, C, 3, 3);
+        add(w2, W.down_stream + o.conv2, int64_t(P) * 9 * P, PackKind::kTapPlanes, P, P, 3, 3);
+      }
     }
     add(src(b.prefix + "se.excite.0.weight"), W.fc1_w, int64_t(H) * P, PackKind::kCopyF32);
     add(src(b.prefix + "se.excite.0.bias"), W.fc1_b, H, PackKind::kCopyF32);

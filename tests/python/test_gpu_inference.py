@@ -225,6 +225,67 @@ def test_wgmma_block_matches_float64_reference(make_reference, monkeypatch, prec
     assert rel_err(outs["1"], outs["0"].double()) <= TOL
 
 
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n,c", [(1, 3), (7, 1), (128, 3), (300, 11)])
+def test_fused_down_block_matches_float64_reference(make_reference, monkeypatch, precision, n, c):
+    """Block 2 as one Hopper kernel (KFUSE_FUSED_DOWN=1: pool + shortcut, conv1, conv2, squeeze-excite, one CTA per
+    image; n = 300 runs three waves) against the separate kernels (KFUSE_FUSED_DOWN=0) and the float64 reference,
+    outputs poisoned with NaN first; eager, captured and replayed, bit for bit. Elsewhere than on compute capability
+    9.0, or at an image size whose block 2 input is not 16 x 16, the kernel must not be chosen."""
+    ref = make_reference(in_channels=c, seed=700 + n + c)
+    enc = kfuse.ResNetEncoder.from_torch(ref)
+    params = [p.detach().float().contiguous() for p in enc.parameters()]
+    stream = torch.cuda.current_stream().cuda_stream
+    dtype = getattr(torch, precision)
+    x = torch.rand(n, c, 64, 64, generator=torch.Generator().manual_seed(800 + n))
+    xd = x.cuda().to(dtype)
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("KFUSE_FUSED_DOWN", on)  # read when the engine is created
+        engine = _C.EncoderGpu(enc.config, precision, 0)
+        engine.set_weights(params)
+        assert engine.down_block_count(64, 64) == (1 if on == "1" and _hopper() else 0), f"KFUSE_FUSED_DOWN={on}"
+        assert engine.down_block_count(96, 96) == 0
+        ys = []
+        for _ in range(3):  # eager, captured, replayed
+            y = torch.full((n, 512, 2, 2), float("nan"), device="cuda", dtype=dtype)
+            engine.forward(xd, y, stream)
+            torch.cuda.synchronize()
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), f"KFUSE_FUSED_DOWN={on}: not reproducible"
+        outs[on] = ys[0]
+    y64 = reference64(ref, x)
+    for on, y in outs.items():
+        assert not torch.isnan(y).any(), f"KFUSE_FUSED_DOWN={on}"
+        assert rel_err(y, y64) <= TOL, f"KFUSE_FUSED_DOWN={on}"
+    assert rel_err(outs["1"], outs["0"].double()) <= TOL
+
+
+def test_fused_down_block_follows_new_weights(make_reference, monkeypatch):
+    """The fused block 2 streams its filters from their own packed copy: new weights through either path
+    (set_weights from the host, set_weights_device from device tensors) must reach it, in the same engine and its
+    captured graph."""
+    monkeypatch.setenv("KFUSE_FUSED_DOWN", "1")
+    refs = [make_reference(in_channels=3, seed=900 + k) for k in range(3)]
+    encs = [kfuse.ResNetEncoder.from_torch(r) for r in refs]
+    stream = torch.cuda.current_stream().cuda_stream
+    x = torch.rand(5, 3, 64, 64, generator=torch.Generator().manual_seed(901))
+    xd = x.cuda().half()
+    engine = _C.EncoderGpu(encs[0].config, "float16", 0)
+    engine.set_weights([p.detach().float().contiguous() for p in encs[0].parameters()])
+    for k in range(3):
+        if k == 1:
+            engine.set_weights([p.detach().float().contiguous() for p in encs[1].parameters()])
+        if k == 2:
+            dev = [p.detach().half().cuda().contiguous() for p in encs[2].parameters()]
+            engine.set_weights_device([t.data_ptr() for t in dev], "float16", stream)
+        for _ in range(2):  # eager or captured, then replayed
+            y = torch.full((5, 512, 2, 2), float("nan"), device="cuda", dtype=torch.float16)
+            engine.forward(xd, y, stream)
+            torch.cuda.synchronize()
+            assert rel_err(y, reference64(refs[k], x)) <= TOL, f"weights {k}"
+
+
 def _fused_stem_inputs(kind: str, n: int, c: int, gen: torch.Generator):
     """(device input, float64 NCHW reference input, normalization or None) for one input kind of the stem."""
     if kind == "nhwc-uint8-rgba":

@@ -101,4 +101,32 @@ cudaError_t launch_fused_block(const FusedBlockArgs& args, ConvDType dtype, cuda
 size_t fused_block_wgmma_smem_bytes(int h, int w, int cc_major, int cc_minor);
 cudaError_t launch_fused_block_wgmma(const FusedBlockArgs& args, ConvDType dtype, int sm_count, cudaStream_t stream);
 
+// A downsampling block of the encoder (64 -> 128 channels, stride 2, the pooled shortcut, hidden = 8: block 2) in one
+// Hopper warpgroup-MMA kernel for inference (fused_down_block_wgmma.cu, sm_90a), one CTA per image: idt =
+// conv1x1(avgpool3x3(a)), h2 = relu(conv3x3/2(a) + b1b) + b2a, o = conv3x3(h2) * scale + b2b, then the squeeze-excite
+// and join of launch_squeeze_excite: y = relu(o * g + idt), a_next = y + *next_b1a. a: NHWC [n][16][16][64] of T (x +
+// b1a); y, a_next: NHWC [n][8][8][128] of T (each optional, not both null). filters: the block's filter stream,
+// fused_down_block_filter_bytes() of T: the shortcut's 1x1 filter, conv1's and conv2's, each as tap planes
+// (weight_layout.h kTapPlanes), contiguous in that order. scalars and fc weights as for FusedBlockArgs.
+struct FusedDownBlockArgs {
+  const void* a = nullptr;
+  const void* filters = nullptr;
+  const float* scalars = nullptr;
+  const float* fc1_w = nullptr;
+  const float* fc1_b = nullptr;
+  const float* fc2_w = nullptr;
+  const float* fc2_b = nullptr;
+  int in_planes = 0, planes = 0, hidden = 0;
+  int n = 0, h = 0, w = 0;  // h, w: the block's input size
+  void* y = nullptr;
+  const float* next_b1a = nullptr;
+  void* a_next = nullptr;
+};
+// Dynamic shared memory of the kernel for a block of this shape and input size on a device of compute capability
+// major.minor; 0 where it does not run (only 64 -> 128 channels, hidden 8, 16 x 16 inputs, compute capability 9.0).
+size_t fused_down_block_smem_bytes(int in_planes, int planes, int hidden, int h, int w, int cc_major, int cc_minor);
+// Bytes of that filter stream (2-byte elements).
+size_t fused_down_block_filter_bytes();
+cudaError_t launch_fused_down_block_wgmma(const FusedDownBlockArgs& args, ConvDType dtype, cudaStream_t stream);
+
 }  // namespace kfuse::kernels
