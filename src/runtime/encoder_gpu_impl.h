@@ -723,6 +723,8 @@ struct EncoderGpu::Impl {
         db.a_next = act.a[i + 1];
         db.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
         if (!blocks[i + 1].has_downsample) db.y = act.x[i + 1];
+        // Programmatic launch after block 1's kernel (its filter stream loading while that one finishes) measured
+        // slower: 94.8 against 82.4 us back to back (PERF.md session 23). Only inside a programmatic chain.
         kernels::PdlScope down_scope(chain);
         check_cuda(kernels::launch_fused_down_block_wgmma(db, dtype, stream), "fused downsampling block kernel");
         h /= b.stride;

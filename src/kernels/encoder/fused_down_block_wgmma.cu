@@ -6,7 +6,8 @@
 // forward's ~100 at batch 128 for 4.8 GFLOP, each convolution a CUTLASS kernel whose 64 x 64 tiles stream both operands
 // from L2 (session 22: bound by the SMs' L2 ingress) plus a fixed ~3 us of launch, ramp and tail. Here a CTA keeps its
 // image on chip from the input to the block output and streams only the filters (448 KB, the same bytes in the same
-// order for every CTA), so the block costs one launch and ~460 KB of L2 reads per SM.
+// order for every CTA), so the block costs one launch and ~460 KB of L2 reads per SM. With programmatic launch after
+// block 1's kernel, the first 128 KB of filters and the squeeze-excite's weights arrive while that kernel finishes.
 //
 // How:
 //   - M = the 64 output pixels (the whole 8 x 8 image), N = the 128 output channels in two warpgroups of 64, K = taps x
@@ -27,8 +28,8 @@
 //     over warps in a fixed order; fc1 + ReLU in every warp, each thread's 8 gates (fc2 + sigmoid); y = relu(o * gate +
 //     identity), a_next = T(y + next_b1a) (faithful where y > 0), 16-byte coalesced stores.
 // Numerics as fused_block_wgmma.cu and the separate kernels: the same rules, fixed reduction orders, no atomics (the
-// same input gives the same bits). Shared memory: 128 KB ring + 40.6 KB image + 8.1 KB pooled + 25.3 KB h2 + 16 KB
-// identity + 2 KB sums + barriers = 220 KB.
+// same input gives the same bits). Shared memory: 128 KB ring + 40.6 KB image + 25.3 KB h2 + 16 KB identity (the 8.1
+// KB pooled image before it) + 2.6 KB sums, hidden units and gates + 8.6 KB squeeze-excite weights + barriers.
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -65,11 +66,17 @@ constexpr int kH2Bytes = 16 * kH2Plane;
 constexpr int kTileBytes = kPix * kP * 2;
 constexpr int kCompute = 256;  // two warpgroups: output channels 0-63 and 64-127
 constexpr int kThreads = kCompute + 32;  // + the producer warp
-constexpr int kRingOff = 0, kImgOff = kRingOff + kStages * kChunkBytes, kPoolOff = kImgOff + kImgBytes,
-              kH2Off = kPoolOff + kPoolBytes, kIdtOff = kH2Off + kH2Bytes, kPartOff = kIdtOff + kTileBytes,
-              kBarOff = kPartOff + 8 * 64 * 4;
-constexpr size_t kSmemBytes = size_t(kBarOff) + 2 * kStages * 8;
+// The squeeze-excite's parameters, copied in at the start (they are on the block's critical tail otherwise: ~5 us of
+// dependent L2 round trips measured): fc1 [8][128], fc1_b [8], fc2 [128][8], fc2_b [128], fp32.
+constexpr int kFc1W = 0, kFc1B = kFc1W + kHidden * kP * 4, kFc2W = kFc1B + 64, kFc2B = kFc2W + kP * kHidden * 4,
+              kFcBytes = kFc2B + kP * 4;
+constexpr int kRingOff = 0, kImgOff = kRingOff + kStages * kChunkBytes, kH2Off = kImgOff + kImgBytes,
+              kIdtOff = kH2Off + kH2Bytes, kPoolOff = kIdtOff, kPartOff = kIdtOff + kTileBytes,
+              kFcOff = kPartOff + (8 * 64 + 8 + kP) * 4, kBarOff = kFcOff + kFcBytes;
+constexpr size_t kSmemBytes = size_t(kBarOff) + (2 * kStages + 1) * 8;
+constexpr int kFirstChunks = 2;  // streamed before the image is in
 static_assert(kTileBytes <= kImgBytes, "v is staged over the input image");
+static_assert(kPoolBytes <= kTileBytes, "the pooled image lives where the identity goes once the shortcut GEMM ran");
 static_assert(kChunks == kConv2Chunk + 18, "shortcut, conv1's 9 taps, conv2's 9 taps x 2 halves");
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -122,8 +129,13 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t base = smem_u32(smem);
   const uint32_t ring = base + kRingOff, img = base + kImgOff, pool = base + kPoolOff, h2 = base + kH2Off,
-                 idt = base + kIdtOff, full0 = base + kBarOff, empty0 = full0 + 8 * kStages;
+                 idt = base + kIdtOff, fc = base + kFcOff, full0 = base + kBarOff, empty0 = full0 + 8 * kStages,
+                 image_ready = empty0 + 8 * kStages;
   float* const part = reinterpret_cast<float*>(smem + kPartOff);  // [8 warps][64 channels of the warp's group]
+  const float* const fc1_w = reinterpret_cast<const float*>(smem + kFcOff + kFc1W);
+  const float* const fc1_b = reinterpret_cast<const float*>(smem + kFcOff + kFc1B);
+  const float* const fc2_w = reinterpret_cast<const float*>(smem + kFcOff + kFc2W);
+  const float* const fc2_b = reinterpret_cast<const float*>(smem + kFcOff + kFc2B);
   const int tid = threadIdx.x;
 
   if (tid == 0) {
@@ -131,6 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
       ptx::mbar_init(full0 + 8 * s, 1);
       ptx::mbar_init(empty0 + 8 * s, kCompute / 32);
     }
+    ptx::mbar_init(image_ready, kCompute / 32);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   // The halos of the input and h2 images stay zero: loads and epilogues write only interiors.
@@ -147,12 +160,27 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
       const char* src = static_cast<const char*>(p.filters);
       for (int c = 0; c < kChunks; ++c) {
         const int s = c % kStages;
+        // Past the first two chunks, only once the image has landed: otherwise the first 128 KB of filters share the
+        // SM's L2 ingress with the image, which every warp waits for (measured: 3 us for its 32 KB).
+        if (c == kFirstChunks) ptx::mbar_wait(image_ready, 0);
         if (c >= kStages) ptx::mbar_wait(empty0 + 8 * s, (c / kStages - 1) & 1);
         ptx::mbar_arrive_expect_tx(full0 + 8 * s, kChunkBytes);
         ptx::bulk_copy_g2s(ring + s * kChunkBytes, src + size_t(c) * kChunkBytes, kChunkBytes, full0 + 8 * s);
       }
     }
     return;
+  }
+  // The squeeze-excite's weights (parameters too) in the first cp.async group, waited for with the image.
+  {
+    const struct {
+      const float* src;
+      int off, bytes;
+    } fc_params[4] = {{p.fc1_w, kFc1W, kHidden * kP * 4}, {p.fc1_b, kFc1B, kHidden * 4},
+                      {p.fc2_w, kFc2W, kP * kHidden * 4}, {p.fc2_b, kFc2B, kP * 4}};
+#pragma unroll
+    for (const auto& f : fc_params)
+      for (int i = tid; i < f.bytes / 16; i += kCompute) ptx::cp_async16(fc + f.off + 16 * i, f.src + 4 * i);
+    ptx::cp_async_commit();
   }
   pdl_wait_for_predecessor();
   pdl_allow_successor();
@@ -170,6 +198,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
+    __syncwarp();
+    if ((tid & 31) == 0) ptx::mbar_arrive(image_ready);
   }
   ptx::named_barrier(1, kCompute);
   // The shortcut's pool: avgpool3x3 / stride 2 / pad 1 of a, padding counted (always / 9), in fp32, one rounding.
@@ -235,6 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
   ptx::hold(acc);
   ptx::hold(acc_sc);
   release_chunk(kConv2Chunk - 1);
+  ptx::named_barrier(1, kCompute);  // both warpgroups' shortcut MMAs are done with the pooled image: idt goes over it
 
   // Epilogues through stmatrix: the identity T(acc_sc) into its tile, h2 into the haloed image. Lane l addresses row
   // l % 8 of matrix l / 8: pixel 16 w4 + 8 (matrix & 1) + l % 8, channel block (8 wg + 2 jj + (matrix >> 1)).
@@ -317,38 +348,40 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
   }
   ptx::named_barrier(1, kCompute);  // the sums and v are in
 
-  // fc1 + ReLU in every warp (the same order everywhere: the same bits), lane's channels lane + 32 u.
-  float hid[kHidden];
+  // fc1 + ReLU: warp k computes hidden unit k (lane's channels lane + 32 u, then over the lanes), into shared memory;
+  // then one gate per channel (fc2 + sigmoid) by the first 128 threads. Short dependency chains between two barriers:
+  // each warp computing all 8 units (40 dependent shuffles) and each thread 8 gates made this tail ~30% of the
+  // kernel's stall samples (ncu, PERF.md session 23).
+  float* const hid = part + 8 * 64;  // the sums are read before the barrier below, gates after it
+  float* const gates = hid + 8;
+  static_assert(kHidden == kCompute / 32, "one warp per hidden unit");
   {
-    float m[4];
+    float s = 0.f;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int c = lane + 32 * u, w0 = 4 * (c >> 6), cl = c & 63;
-      m[u] = (((part[w0 * 64 + cl] + part[(w0 + 1) * 64 + cl]) + part[(w0 + 2) * 64 + cl]) +
-              part[(w0 + 3) * 64 + cl]) /
-             float(kPix);
+      const float m = (((part[w0 * 64 + cl] + part[(w0 + 1) * 64 + cl]) + part[(w0 + 2) * 64 + cl]) +
+                       part[(w0 + 3) * 64 + cl]) /
+                      float(kPix);
+      s += fc1_w[warp * kP + c] * m;
     }
 #pragma unroll
-    for (int k = 0; k < kHidden; ++k) {
-      float s = 0.f;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) s += __ldg(p.fc1_w + k * kP + lane + 32 * u) * m[u];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      hid[k] = relu_keep_nan(s + __ldg(p.fc1_b + k));
-    }
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) hid[warp] = relu_keep_nan(s + fc1_b[warp]);
   }
-  // This thread's 8 channels 8 c16 + e, its gates, then the join over its 4 pixels.
+  ptx::named_barrier(1, kCompute);
+  if (tid < kP) {
+    float s = fc2_b[tid];
+#pragma unroll
+    for (int k = 0; k < kHidden; ++k) s += fc2_w[tid * kHidden + k] * hid[k];
+    gates[tid] = 1.f / (1.f + __expf(-s));
+  }
+  ptx::named_barrier(1, kCompute);
+  // This thread's 8 channels 8 c16 + e over its 4 pixels.
   const int c16 = tid & 15;
   float gate[8];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const int c = 8 * c16 + e;
-    float s = __ldg(p.fc2_b + c);
-#pragma unroll
-    for (int k = 0; k < kHidden; ++k) s += __ldg(p.fc2_w + c * kHidden + k) * hid[k];
-    gate[e] = 1.f / (1.f + __expf(-s));
-  }
+  for (int e = 0; e < 8; ++e) gate[e] = gates[8 * c16 + e];
   const float nb1a = p.a_next ? __ldg(p.next_b1a) : 0.f;
   uint4* const y_out = static_cast<uint4*>(p.y);
   uint4* const a_next = static_cast<uint4*>(p.a_next);
