@@ -261,7 +261,8 @@ class ResNetEncoder(reference.ResNetEncoder):
         # The cached GPU engines (device memory, CUDA graphs) are rebuilt on demand, never copied or pickled.
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
-        state.pop("_gpu_engines", None)
+        for key in ("_gpu_engines", "_kfuse_last_call", "_kfuse_last_train_call", "_kfuse_fast_call"):
+            state.pop(key, None)  # engines, and prepared calls that point into them
         return state
 
     # -- CUDA inference ------------------------------------------------------------------------------------------
@@ -272,11 +273,34 @@ class ResNetEncoder(reference.ResNetEncoder):
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         # The hot path of inference: everything here runs per call, so it avoids per-call allocations beyond the
         # output and re-validates only what can change (the input's geometry is validated once per geometry).
-        params = _param_list(self, self.config)
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            return self._forward_cuda_train(x, params)
-        gpu, spec, y, stream, _ = self._prepared_call(x, params, "_kfuse_last_call")
+        params = None
+        if torch.is_grad_enabled():
+            params = _param_list(self, self.config)
+            if x.requires_grad or any(p.requires_grad for p in params):
+                return self._forward_cuda_train(x, params)
+        # A call like the previous one launches first, with the weights the engine holds, and checks afterwards
+        # (while the GPU runs) that they are still this module's parameters: the parameter list and the weight stamp
+        # (~10-20 us of Python, PERF.md session 23) leave the latency's critical path. When a parameter changed, the
+        # call is redone on the full path below, after the engine repacked: the first launch's output is dropped
+        # (stream order makes that safe) and a changed model costs one extra forward on its first call.
+        fast = self.__dict__.get("_kfuse_fast_call")
+        if fast is not None and fast[0] == (x.shape, x.stride(), x.dtype, x.device):
+            _, gpu, spec, out_shape, out_dtype, index, entry, stamp, w_dtype = fast
+            y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+            gpu.run(spec, x.data_ptr(), y.data_ptr(), torch._C._cuda_getCurrentRawStream(index))
+            if params is None:
+                params = _param_list(self, self.config)
+            if (entry[1] is stamp and params[0].dtype == w_dtype
+                    and stamp == (list(map(_DATA_PTR, params)), list(map(_VERSION, params)))):
+                return y
+        if params is None:
+            params = _param_list(self, self.config)
+        gpu, spec, y, stream, entry = self._prepared_call(x, params, "_kfuse_last_call")
         gpu.run(spec, x.data_ptr(), y.data_ptr(), stream)
+        # uint8 input also depends on the input normalization (checked on the full path only)
+        self.__dict__["_kfuse_fast_call"] = None if x.dtype == torch.uint8 else (
+            (x.shape, x.stride(), x.dtype, x.device), gpu, spec, y.shape, y.dtype, x.device.index or 0, entry,
+            entry[1], params[0].dtype)
         return y
 
     def _forward_cuda_train(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:

@@ -361,6 +361,39 @@ def test_weights_update_is_picked_up(make_reference):
     assert rel_err(y, reference64(ref, x)) <= TOL
 
 
+def test_module_follows_every_kind_of_parameter_change(make_reference):
+    """The module's hot path launches a call like the previous one before it checks the parameters (PERF.md session
+    23): an in-place update, a parameter replaced by assignment, new storage through .data, a dtype conversion and a
+    deep copy must each give the new model's output, on the eager call of a new kind and on the replayed one."""
+    ref = make_reference(in_channels=3, seed=31)
+    enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)
+    x = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(32))
+    xd = x.cuda().half()
+    changes = [
+        lambda m: None,
+        lambda m: m.layers[1][0].conv2.weight.mul_(0.5),
+        lambda m: setattr(m.layers[2][0], "fixup_scale", torch.nn.Parameter(m.layers[2][0].fixup_scale * 2.0)),
+        lambda m: setattr(m.stem[1].weight, "data", m.stem[1].weight.data * 1.25),
+    ]
+    with torch.no_grad():
+        for k, change in enumerate(changes):
+            change(enc)
+            change(ref)
+            for _ in range(3):
+                assert rel_err(enc(xd), reference64(ref, x)) <= TOL, f"change {k}"
+        copy_ = copy.deepcopy(enc)
+        copy_.layers[3][0].fixup_bias2b.add_(0.5)
+        ref.layers[3][0].fixup_bias2b.add_(0.5)
+        for _ in range(3):
+            assert rel_err(copy_(xd), reference64(ref, x)) <= TOL, "deep copy"
+        enc.layers[3][0].fixup_bias2b.add_(0.5)
+        enc = enc.bfloat16()
+        for _ in range(3):
+            y = enc(xd)
+            assert y.dtype == torch.bfloat16
+            assert rel_err(y, reference64(ref, x)) <= TOL, "bfloat16"
+
+
 def test_engine_rejects_bad_arguments(make_reference):
     enc = kfuse.ResNetEncoder.from_torch(make_reference(in_channels=3, seed=13))
     engine = _C.EncoderGpu(enc.config, "float16", 0)
