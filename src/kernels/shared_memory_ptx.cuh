@@ -1,6 +1,6 @@
-// The PTX wrappers the hand-written tensor-core kernels share (fused_block.cu, stem_backward.cu, wgrad_wgmma.cu):
-// shared-memory addresses, cp.async (sm_80+) and ldmatrix. Device-only, inline; each kernel's own MMA wrappers stay
-// with it (their shapes and operand forms differ).
+// The PTX wrappers the hand-written tensor-core kernels share (fused_block.cu, stem_backward.cu, wgrad_wgmma.cu, the
+// warpgroup-MMA blocks): shared-memory addresses, 16-byte shared loads and stores, cp.async (sm_80+) and ldmatrix.
+// Device-only, inline; each kernel's own MMA wrappers stay with it (their shapes and operand forms differ).
 #pragma once
 
 #include <cstdint>
@@ -21,6 +21,17 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// 16 bytes from / to shared memory at a 32-bit shared-state-space address (16-byte aligned).
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts128(uint32_t addr, const uint4& v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // Four 8x8 16-bit matrices; lane l gives row l % 8 of matrix l / 8. trans: each matrix transposed.

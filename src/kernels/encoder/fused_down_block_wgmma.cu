@@ -84,8 +84,10 @@ static_assert(kChunks == kConv2Chunk + 18, "shortcut, conv1's 9 taps, conv2's 9 
 #endif
 
 #ifdef KFUSE_FUSED_DOWN_BLOCK_DEVICE
+using ptx::lds128;
 using ptx::smem_desc;
 using ptx::smem_u32;
+using ptx::sts128;
 
 // d (64 x 64, fp32, the warpgroup's accumulator layout) += A (shared, K-major, 64 x 16) * B (shared, K-major, 16 x 64).
 template <bool kBf16>
@@ -99,16 +101,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                  : "l"(desc_a), "l"(desc_b));
   }
-}
-
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void sts128(uint32_t addr, const uint4& v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
 }
 
 // Byte offset, within a plane of the parity image, of stride-2 tap (r, s) for output pixel (0, 0): input row 2i + r - 1
