@@ -107,8 +107,9 @@ class EncoderGpu {
   // KFUSE_WGMMA_BLOCK=0 (or KFUSE_FUSED_BLOCK=0) when the encoder is created.
   int wgmma_block_count(int h, int w) const;
   // How many downsampling blocks of the inference forward on h x w inputs run as one Hopper warpgroup-MMA kernel each
-  // (kernels::launch_fused_down_block_wgmma: 64 -> 128 channels, 16 x 16 input maps, i.e. block 2 of the default
-  // network at 64 x 64), unless the environment sets KFUSE_FUSED_DOWN=0 when the encoder is created.
+  // (kernels::launch_fused_down_block_wgmma: 64 -> 128 channels at 16 x 16 input maps and 128 -> 256 at 8 x 8, i.e.
+  // blocks 2 and 3 of the default network at 64 x 64), unless the environment sets KFUSE_FUSED_DOWN=0 (none) or 2
+  // (block 2's shape only) when the encoder is created.
   int down_block_count(int h, int w) const;
   // Whether the inference forward on n x C x h x w inputs computes the stem inside block 1's warpgroup-MMA kernel
   // (each CTA the stem of its own image: n at most the SM count), unless the environment sets KFUSE_FUSED_STEM=0

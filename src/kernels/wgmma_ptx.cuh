@@ -31,6 +31,11 @@ __device__ __forceinline__ void hold(uint32_t (&a)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
+template <int M, int N>
+__device__ __forceinline__ void hold(uint32_t (&a)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) hold(a[i]);
+}
 
 // A shared-memory matrix descriptor without swizzle (core matrices of 8 rows x 16 bytes, each row's 16 bytes
 // contiguous): start address, leading byte offset (between the core matrices along K) and stride byte offset (between

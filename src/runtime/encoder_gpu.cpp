@@ -81,8 +81,10 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
   }
   if (const char* v = std::getenv("KFUSE_FUSED_DOWN"); v && *v) {
     const std::string on = v;
-    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_DOWN must be 0 (off) or 1, got '", on, "'");
-    m.fuse_down = on == "1";
+    KFUSE_CHECK(on == "0" || on == "1" || on == "2", InvalidArgument,
+                "KFUSE_FUSED_DOWN must be 0 (off), 1 (blocks 2 and 3) or 2 (block 2 only), got '", on, "'");
+    m.fuse_down = on != "0";
+    m.fuse_down_group = on == "1";
   }
   m.cc_major = info.major;
   m.cc_minor = info.minor;
@@ -200,9 +202,13 @@ void EncoderGpu::set_weights(const EncoderParams<float>& params) {
       hw.put_t(W.shortcut, b.stride > 1 ? pooled_shortcut_krsc(wd) : krsc(wd));
       if (W.down_stream != kNone) {
         const DownStreamOffsets o = down_stream_offsets(b);
-        hw.put_t(W.down_stream + o.shortcut, tap_planes(wd));
-        hw.put_t(W.down_stream + o.conv1, tap_planes(w1));
-        hw.put_t(W.down_stream + o.conv2, tap_planes(w2));
+        for (int r = 0; r < o.ranks; ++r) {
+          const size_t at = W.down_stream + r * o.rank_bytes;
+          const int64_t k0 = int64_t(r) * o.rank_planes;
+          hw.put_t(at + o.shortcut, tap_planes(wd, k0, o.rank_planes));
+          hw.put_t(at + o.conv1, tap_planes(w1, k0, o.rank_planes));
+          hw.put_t(at + o.conv2, tap_planes(w2, k0, o.rank_planes));
+        }
       }
     }
     hw.put_f32(W.fc1_w, params.at(b.prefix + "se.excite.0.weight").values());

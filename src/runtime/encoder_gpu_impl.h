@@ -92,14 +92,16 @@ inline std::vector<float> flipped_crsk(const HostTensor<float>& w) {
 }
 
 // [K, C, R, S] -> [R, S, C / 8, K, 8]: per tap and 8-channel group, one 16-byte row per output channel (the filter
-// image that kernels::launch_fused_block_wgmma copies to shared memory as it is; C % 8 == 0).
-inline std::vector<float> tap_planes(const HostTensor<float>& w) {
-  const int64_t K = w.dim(0), C = w.dim(1), R = w.dim(2), S = w.dim(3);
-  std::vector<float> out(static_cast<size_t>(w.numel()));
+// image that kernels::launch_fused_block_wgmma copies to shared memory as it is; C % 8 == 0). With k0 / k_count:
+// output channels k0 .. k0 + k_count - 1 only (K = k_count), a slice of a fused kernel's filter stream.
+inline std::vector<float> tap_planes(const HostTensor<float>& w, int64_t k0 = 0, int64_t k_count = -1) {
+  const int64_t C = w.dim(1), R = w.dim(2), S = w.dim(3), K = k_count < 0 ? w.dim(0) : k_count;
+  std::vector<float> out(static_cast<size_t>(K * C * R * S));
   for (int64_t k = 0; k < K; ++k)
     for (int64_t c = 0; c < C; ++c)
       for (int64_t r = 0; r < R; ++r)
-        for (int64_t s = 0; s < S; ++s) out[((((r * S + s) * (C / 8) + c / 8) * K + k) * 8) + c % 8] = w.at(k, c, r, s);
+        for (int64_t s = 0; s < S; ++s)
+          out[((((r * S + s) * (C / 8) + c / 8) * K + k) * 8) + c % 8] = w.at(k0 + k, c, r, s);
   return out;
 }
 
@@ -115,19 +117,25 @@ struct BlockWeights {  // byte offsets into the packed weights; kNone where the 
 inline bool fusable_block_shape(const EncoderConfig::Block& b) {
   return !b.has_downsample && b.stride == 1 && b.in_planes == 64 && b.planes == 64 && b.se_hidden == 4;
 }
-// Whether a block has the shape of kernels::launch_fused_down_block_wgmma (64 -> 128 channels, stride 2, the pooled
-// shortcut, hidden = 8: block 2 of the default network).
+// Whether a block has a shape of kernels::launch_fused_down_block_wgmma (stride 2, the pooled shortcut, and 64 -> 128
+// channels with hidden = 8 or 128 -> 256 with hidden = 16: blocks 2 and 3 of the default network).
 inline bool fusable_down_block_shape(const EncoderConfig::Block& b) {
-  return b.has_downsample && b.stride == 2 && b.in_planes == 64 && b.planes == 128 && b.se_hidden == 8;
+  return b.has_downsample && b.stride == 2 &&
+         kernels::fused_down_block_filter_ranks(b.in_planes, b.planes, b.se_hidden) != 0;
 }
-// That kernel's filter stream: the shortcut's 1x1 filter, conv1's and conv2's, each as tap planes, contiguous (byte
-// offsets from its start, and its size).
+// That kernel's filter stream: `ranks` slices of planes / ranks output channels, one after the other, each the
+// shortcut's 1x1 filter, conv1's and conv2's as tap planes of those channels, contiguous (byte offsets of slice 0's
+// parts; slice r starts at r * rank_bytes).
 struct DownStreamOffsets {
-  size_t shortcut, conv1, conv2, bytes;
+  size_t shortcut, conv1, conv2, rank_bytes, bytes;
+  int ranks, rank_planes;
 };
 inline DownStreamOffsets down_stream_offsets(const EncoderConfig::Block& b) {
-  const size_t sc = 2 * size_t(b.planes) * b.in_planes, c1 = 9 * sc, c2 = 2 * size_t(b.planes) * 9 * b.planes;
-  return {0, sc, sc + c1, sc + c1 + c2};
+  const int ranks = kernels::fused_down_block_filter_ranks(b.in_planes, b.planes, b.se_hidden);
+  const int kr = b.planes / ranks;
+  const size_t sc = 2 * size_t(kr) * b.in_planes, c1 = 9 * sc, c2 = 2 * size_t(kr) * 9 * b.planes;
+  const size_t rank_bytes = sc + c1 + c2;
+  return {0, sc, sc + c1, rank_bytes, ranks * rank_bytes, ranks, kr};
 }
 struct WeightLayout {
   size_t stem_w = 0;
@@ -196,6 +204,10 @@ struct Activations {
   // (kernels/conv/cudnn_fused.h) that writes h = relu(conv1 + b1b) here beside h2 = h + b2a, and the backward's
   // ReLU mask is h > 0 (rather than h2 > b2a, which needs the CUTLASS epilogue's faithful rounding of h2).
   std::vector<void*> h;
+  // Inference, per block, or null: a fused downsampling block of the group kernel's shape exchanges the squeeze's
+  // partial sums through `partials` and synchronizes its groups on `sync` (zeroed once, at allocation).
+  std::vector<float*> partials;
+  std::vector<unsigned*> sync;
 };
 
 // The launch sequence of one geometry, captured once.
@@ -258,9 +270,11 @@ struct EncoderGpu::Impl {
   // Where they apply (Hopper, 16 x 16 maps), such blocks run as the warpgroup-MMA kernel instead, in inference and in
   // the training forward (kernels::launch_fused_block_wgmma); KFUSE_WGMMA_BLOCK=0: never (the A/B switch).
   bool wgmma_blocks = true;
-  // Where it applies (Hopper, 16 x 16 input maps), a downsampling block of kernels::launch_fused_down_block_wgmma's
-  // shape runs as that one kernel in the inference forward; KFUSE_FUSED_DOWN=0: never (the A/B switch).
+  // Where it applies (Hopper; 16 x 16 input maps for block 2's shape, 8 x 8 for block 3's), a downsampling block of
+  // kernels::launch_fused_down_block_wgmma's shapes runs as that one kernel in the inference forward.
+  // KFUSE_FUSED_DOWN (the A/B switch): 0 never, 2 block 2's shape only (one CTA per image), 1 (default) both.
   bool fuse_down = true;
+  bool fuse_down_group = true;  // block 3's shape (a group of 4 CTAs per 4 images)
   int cc_major = 0, cc_minor = 0;
   size_t smem_optin = 0;  // the device's shared memory per block with opt-in
   std::map<Geometry, Activations> activations;
@@ -321,7 +335,7 @@ struct EncoderGpu::Impl {
     };
     const size_t x0 = take(size_t(g.n) * h * w * config.base_planes);
     struct Offs {
-      size_t x, a, h2, idt, o;
+      size_t x, a, h2, idt, o, partials = SIZE_MAX, sync = SIZE_MAX;
     };
     std::vector<Offs> offs;
     for (const auto& b : blocks) {
@@ -334,6 +348,11 @@ struct EncoderGpu::Impl {
       o.h2 = take(out);
       o.idt = b.has_downsample ? take(out) : SIZE_MAX;
       o.o = take(out);
+      if (fusable_down_block_shape(b) && down_stream_offsets(b).ranks > 1) {
+        const size_t groups = size_t(kernels::fused_down_block_groups(g.n));
+        o.partials = take(groups * 1024 / es);
+        o.sync = take((1 + 2 * groups) * 4 / es + 2);
+      }
       offs.push_back(o);
       h = ho;
       w = wo;
@@ -347,6 +366,11 @@ struct EncoderGpu::Impl {
       act.h2.push_back(at(o.h2));
       act.idt.push_back(at(o.idt));
       act.o.push_back(at(o.o));
+      act.partials.push_back(static_cast<float*>(at(o.partials)));
+      act.sync.push_back(static_cast<unsigned*>(at(o.sync)));
+      if (o.sync != SIZE_MAX)  // the counters start at zero; every launch leaves them ready for the next
+        check_cuda(cudaMemset(at(o.sync), 0, (1 + 2 * size_t(kernels::fused_down_block_groups(g.n))) * 4),
+                   "cudaMemset (block synchronization counters)");
     }
     // Block 1's identity is the stem output itself.
     if (!blocks.empty() && !blocks[0].has_downsample) act.x[0] = act.x0;
@@ -635,6 +659,7 @@ struct EncoderGpu::Impl {
   bool down_block_applies(size_t i, int h, int w) const {
     if (!fuse_down || i + 1 >= blocks.size() || bw[i].down_stream == kNone) return false;
     const auto& b = blocks[i];
+    if (!fuse_down_group && down_stream_offsets(b).ranks > 1) return false;
     const size_t smem =
         kernels::fused_down_block_smem_bytes(b.in_planes, b.planes, b.se_hidden, h, w, cc_major, cc_minor);
     return smem != 0 && smem <= smem_optin;
@@ -723,6 +748,9 @@ struct EncoderGpu::Impl {
         db.a_next = act.a[i + 1];
         db.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
         if (!blocks[i + 1].has_downsample) db.y = act.x[i + 1];
+        db.h2 = act.h2[i];
+        db.partials = i < act.partials.size() ? act.partials[i] : nullptr;
+        db.sync = i < act.sync.size() ? act.sync[i] : nullptr;
         // Programmatic launch after block 1's kernel (its filter stream loading while that one finishes) measured
         // slower: 94.8 against 82.4 us back to back (PERF.md session 23). Only inside a programmatic chain.
         kernels::PdlScope down_scope(chain);

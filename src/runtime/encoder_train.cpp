@@ -426,9 +426,16 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
         add(wd, W.shortcut, int64_t(P) * C, PackKind::kKrsc, P, C, 1, 1);
       if (W.down_stream != kNone) {
         const DownStreamOffsets o = down_stream_offsets(b);
-        add(wd, W.down_stream + o.shortcut, int64_t(P) * C, PackKind::kTapPlanes, P, C, 1, 1);
-        add(w1, W.down_stream + o.conv1, int64_t(P) * 9 * C, PackKind::kTapPlanes, P, C, 3, 3);
-        add(w2, W.down_stream + o.conv2, int64_t(P) * 9 * P, PackKind::kTapPlanes, P, P, 3, 3);
+        const int K = o.rank_planes;
+        for (int r = 0; r < o.ranks; ++r) {
+          const size_t at = W.down_stream + r * o.rank_bytes;
+          add(wd, at + o.shortcut, int64_t(K) * C, PackKind::kTapPlanes, K, C, 1, 1);
+          jobs.back().k0 = r * K;
+          add(w1, at + o.conv1, int64_t(K) * 9 * C, PackKind::kTapPlanes, K, C, 3, 3);
+          jobs.back().k0 = r * K;
+          add(w2, at + o.conv2, int64_t(K) * 9 * P, PackKind::kTapPlanes, K, P, 3, 3);
+          jobs.back().k0 = r * K;
+        }
       }
     }
     add(src(b.prefix + "se.excite.0.weight"), W.fc1_w, int64_t(H) * P, PackKind::kCopyF32);

@@ -228,10 +228,11 @@ def test_wgmma_block_matches_float64_reference(make_reference, monkeypatch, prec
 @pytest.mark.parametrize("precision", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n,c", [(1, 3), (7, 1), (128, 3), (300, 11)])
 def test_fused_down_block_matches_float64_reference(make_reference, monkeypatch, precision, n, c):
-    """Block 2 as one Hopper kernel (KFUSE_FUSED_DOWN=1: pool + shortcut, conv1, conv2, squeeze-excite, one CTA per
-    image; n = 300 runs three waves) against the separate kernels (KFUSE_FUSED_DOWN=0) and the float64 reference,
-    outputs poisoned with NaN first; eager, captured and replayed, bit for bit. Elsewhere than on compute capability
-    9.0, or at an image size whose block 2 input is not 16 x 16, the kernel must not be chosen."""
+    """Blocks 2 and 3 as one Hopper kernel each (pool + shortcut, conv1, conv2, squeeze-excite; block 2 one CTA per
+    image, n = 300 runs three waves; block 3 a group of 4 CTAs per 4 images that exchange data through L2, n = 1 and 7
+    leave images of the last group empty, n = 300 has more groups than fit on the GPU at once): KFUSE_FUSED_DOWN=1 (both), 2 (block 2 only) and 0 (the separate kernels) against each other and
+    the float64 reference, outputs poisoned with NaN first; eager, captured and replayed, bit for bit. Elsewhere than
+    on compute capability 9.0, or at an image size whose block inputs are not 16 x 16 and 8 x 8, no kernel is chosen."""
     ref = make_reference(in_channels=c, seed=700 + n + c)
     enc = kfuse.ResNetEncoder.from_torch(ref)
     params = [p.detach().float().contiguous() for p in enc.parameters()]
@@ -240,11 +241,12 @@ def test_fused_down_block_matches_float64_reference(make_reference, monkeypatch,
     x = torch.rand(n, c, 64, 64, generator=torch.Generator().manual_seed(800 + n))
     xd = x.cuda().to(dtype)
     outs = {}
-    for on in ("0", "1"):
+    for on in ("0", "2", "1"):
         monkeypatch.setenv("KFUSE_FUSED_DOWN", on)  # read when the engine is created
         engine = _C.EncoderGpu(enc.config, precision, 0)
         engine.set_weights(params)
-        assert engine.down_block_count(64, 64) == (1 if on == "1" and _hopper() else 0), f"KFUSE_FUSED_DOWN={on}"
+        fused = {"0": 0, "2": 1, "1": 2}[on] if _hopper() else 0
+        assert engine.down_block_count(64, 64) == fused, f"KFUSE_FUSED_DOWN={on}"
         assert engine.down_block_count(96, 96) == 0
         ys = []
         for _ in range(3):  # eager, captured, replayed
@@ -259,12 +261,13 @@ def test_fused_down_block_matches_float64_reference(make_reference, monkeypatch,
         assert not torch.isnan(y).any(), f"KFUSE_FUSED_DOWN={on}"
         assert rel_err(y, y64) <= TOL, f"KFUSE_FUSED_DOWN={on}"
     assert rel_err(outs["1"], outs["0"].double()) <= TOL
+    assert rel_err(outs["1"], outs["2"].double()) <= TOL
 
 
 def test_fused_down_block_follows_new_weights(make_reference, monkeypatch):
-    """The fused block 2 streams its filters from their own packed copy: new weights through either path
-    (set_weights from the host, set_weights_device from device tensors) must reach it, in the same engine and its
-    captured graph."""
+    """The fused blocks 2 and 3 stream their filters from their own packed copy (block 3's in four output-channel
+    slices): new weights through either path (set_weights from the host, set_weights_device from device tensors)
+    must reach them, in the same engine and its captured graph."""
     monkeypatch.setenv("KFUSE_FUSED_DOWN", "1")
     refs = [make_reference(in_channels=3, seed=900 + k) for k in range(3)]
     encs = [kfuse.ResNetEncoder.from_torch(r) for r in refs]

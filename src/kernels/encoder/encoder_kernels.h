@@ -101,13 +101,20 @@ cudaError_t launch_fused_block(const FusedBlockArgs& args, ConvDType dtype, cuda
 size_t fused_block_wgmma_smem_bytes(int h, int w, int cc_major, int cc_minor);
 cudaError_t launch_fused_block_wgmma(const FusedBlockArgs& args, ConvDType dtype, int sm_count, cudaStream_t stream);
 
-// A downsampling block of the encoder (64 -> 128 channels, stride 2, the pooled shortcut, hidden = 8: block 2) in one
-// Hopper warpgroup-MMA kernel for inference (fused_down_block_wgmma.cu, sm_90a), one CTA per image: idt =
-// conv1x1(avgpool3x3(a)), h2 = relu(conv3x3/2(a) + b1b) + b2a, o = conv3x3(h2) * scale + b2b, then the squeeze-excite
-// and join of launch_squeeze_excite: y = relu(o * g + idt), a_next = y + *next_b1a. a: NHWC [n][16][16][64] of T (x +
-// b1a); y, a_next: NHWC [n][8][8][128] of T (each optional, not both null). filters: the block's filter stream,
-// fused_down_block_filter_bytes() of T: the shortcut's 1x1 filter, conv1's and conv2's, each as tap planes
-// (weight_layout.h kTapPlanes), contiguous in that order. scalars and fc weights as for FusedBlockArgs.
+// A downsampling block of the encoder (stride 2, the pooled shortcut) in one Hopper warpgroup-MMA kernel for
+// inference (sm_90a): idt = conv1x1(avgpool3x3(a)), h2 = relu(conv3x3/2(a) + b1b) + b2a, o = conv3x3(h2) * scale +
+// b2b, then the squeeze-excite and join of launch_squeeze_excite: y = relu(o * g + idt), a_next = y + *next_b1a.
+// Two shapes, one kernel each:
+//   - 64 -> 128 channels, hidden 8, 16 x 16 inputs (block 2; fused_down_block_wgmma.cu): one CTA per image;
+//   - 128 -> 256 channels, hidden 16, 8 x 8 inputs (block 3; fused_down_block_group_wgmma.cu): a group of 4 CTAs per
+//     4 images (fused_down_block_groups(n) groups), each CTA 64 of the output channels; they exchange h2 and the
+//     squeeze's partial sums through args.h2 (NHWC [n][h/2][w/2][planes] of T), args.partials (1 KB per group) and
+//     the counters args.sync (1 + 2 x groups words, zero before the first launch; each launch leaves them usable by
+//     the next one on the same n).
+// a: NHWC [n][h][w][in_planes] of T (x + b1a); y, a_next: NHWC [n][h/2][w/2][planes] of T (each optional, not both
+// null). filters: the block's filter stream of T, fused_down_block_filter_ranks() equal slices of the output channels
+// one after the other, each slice the shortcut's 1x1 filter, conv1's and conv2's, as tap planes (weight_layout.h
+// kTapPlanes) of those output channels, contiguous in that order. scalars and fc weights as for FusedBlockArgs.
 struct FusedDownBlockArgs {
   const void* a = nullptr;
   const void* filters = nullptr;
@@ -121,12 +128,21 @@ struct FusedDownBlockArgs {
   void* y = nullptr;
   const float* next_b1a = nullptr;
   void* a_next = nullptr;
+  void* h2 = nullptr;  // block 3's shape: the group's exchange buffers (above)
+  float* partials = nullptr;
+  unsigned* sync = nullptr;
 };
 // Dynamic shared memory of the kernel for a block of this shape and input size on a device of compute capability
-// major.minor; 0 where it does not run (only 64 -> 128 channels, hidden 8, 16 x 16 inputs, compute capability 9.0).
+// major.minor; 0 where none runs (the two shapes above, compute capability 9.0 only).
 size_t fused_down_block_smem_bytes(int in_planes, int planes, int hidden, int h, int w, int cc_major, int cc_minor);
-// Bytes of that filter stream (2-byte elements).
-size_t fused_down_block_filter_bytes();
+// How many output-channel slices the kernel for this block shape streams its filters in (1 or 4; 0: no kernel).
+int fused_down_block_filter_ranks(int in_planes, int planes, int hidden);
+// Launches the kernel of args' shape.
 cudaError_t launch_fused_down_block_wgmma(const FusedDownBlockArgs& args, ConvDType dtype, cudaStream_t stream);
+// The block-3 kernel itself (launch_fused_down_block_wgmma dispatches to it) and its groups of 4 images for n.
+size_t fused_down_block_group_smem_bytes(int in_planes, int planes, int hidden, int h, int w, int cc_major,
+                                         int cc_minor);
+int fused_down_block_groups(int n);
+cudaError_t launch_fused_down_block_group_wgmma(const FusedDownBlockArgs& args, ConvDType dtype, cudaStream_t stream);
 
 }  // namespace kfuse::kernels

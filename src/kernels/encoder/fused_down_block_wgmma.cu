@@ -399,23 +399,35 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 }  // namespace
 
-size_t fused_down_block_smem_bytes(int in_planes, int planes, int hidden, int h, int w, int cc_major, int cc_minor) {
+namespace {
+size_t per_image_smem_bytes(int in_planes, int planes, int hidden, int h, int w, int cc_major, int cc_minor) {
   return in_planes == kCin && planes == kP && hidden == kHidden && h == kInH && w == kInW && cc_major == 9 &&
                  cc_minor == 0
              ? kSmemBytes
              : 0;
 }
+}  // namespace
 
-size_t fused_down_block_filter_bytes() { return size_t(kChunks) * kChunkBytes; }
+size_t fused_down_block_smem_bytes(int in_planes, int planes, int hidden, int h, int w, int cc_major, int cc_minor) {
+  if (const size_t s = per_image_smem_bytes(in_planes, planes, hidden, h, w, cc_major, cc_minor)) return s;
+  return fused_down_block_group_smem_bytes(in_planes, planes, hidden, h, w, cc_major, cc_minor);
+}
+
+int fused_down_block_filter_ranks(int in_planes, int planes, int hidden) {
+  if (in_planes == kCin && planes == kP && hidden == kHidden) return 1;
+  if (in_planes == 128 && planes == 256 && hidden == 16) return 4;  // fused_down_block_group_wgmma.cu
+  return 0;
+}
 
 cudaError_t launch_fused_down_block_wgmma(const FusedDownBlockArgs& p, ConvDType dtype, cudaStream_t stream) {
+  if (p.in_planes != kCin || p.planes != kP) return launch_fused_down_block_group_wgmma(p, dtype, stream);
   int dev = 0, major = 0, minor = 0, optin = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (err != cudaSuccess) return err;
-  const size_t smem = fused_down_block_smem_bytes(p.in_planes, p.planes, p.hidden, p.h, p.w, major, minor);
+  const size_t smem = per_image_smem_bytes(p.in_planes, p.planes, p.hidden, p.h, p.w, major, minor);
   if (smem == 0 || smem > size_t(optin) || p.n <= 0 || !p.a || !p.filters || !p.scalars || !p.fc1_w || !p.fc1_b ||
       !p.fc2_w || !p.fc2_b || (!p.y && !p.a_next) || (p.a_next && !p.next_b1a))
     return cudaErrorInvalidValue;

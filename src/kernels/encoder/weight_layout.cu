@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kThreads) pack_params_kernel(const PackJob* jo
     } else if (j.kind == PackKind::kTapPlanes) {  // dst [r][s][c / 8][k][c % 8]
       const int64_t e = i % 8, k = (i / 8) % j.k, plane = i / (8 * int64_t(j.k));
       const int64_t groups = j.c / 8, t = plane / groups, c = (plane % groups) * 8 + e;
-      v = load_param(j.src, j.src_dtype, (k * j.c + c) * j.r * j.s + t);
+      v = load_param(j.src, j.src_dtype, ((j.k0 + k) * j.c + c) * j.r * j.s + t);
     } else {  // kStem: dst [kpad][p], row < kin ? src[p][row] : 0
       const int64_t p = i % j.k, row = i / j.k;
       if (row < j.c) v = load_param(j.src, j.src_dtype, p * j.c + row);

@@ -23,7 +23,8 @@ enum class ParamDType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 //   kPooled:  src [k][c][1][1] -> T [k][3][3][c] = src / 9            (avgpool3x3 + conv1x1 as one 3x3 conv)
 //   kStem:    src [p][kin][1][1] -> T [kpad][p], rows >= kin zero    (the stem's GEMM operand B)
 //   kTapPlanes: src [k][c][r][s] -> T [r][s][c / 8][k][c % 8]         (the warpgroup-MMA block's filter image:
-//             one 16-byte row per output channel and (tap, 8-channel group), copied to shared memory as it is)
+//             one 16-byte row per output channel and (tap, 8-channel group), copied to shared memory as it is); with
+//             k0: output channels k0 .. k0 + k - 1 of a filter of `k_total` (a slice of a fused kernel's stream)
 enum class PackKind : int32_t { kCopyF32 = 0, kKrsc, kFlip, kPooled, kStem, kTapPlanes };
 struct PackJob {
   const void* src = nullptr;
@@ -32,6 +33,7 @@ struct PackJob {
   PackKind kind = PackKind::kCopyF32;
   ParamDType src_dtype = ParamDType::kF32;
   int32_t k = 0, c = 0, r = 0, s = 0;  // kStem: k = p, c = kin, r = kpad
+  int32_t k0 = 0;                      // kTapPlanes: the first output channel
 };
 // jobs: device array of `count` PackJob.
 cudaError_t launch_pack_params(const PackJob* jobs, int count, void* dst_base, ConvDType dtype, cudaStream_t stream);

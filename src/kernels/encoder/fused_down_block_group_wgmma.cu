@@ -1,0 +1,544 @@
+// Block 3 of the encoder (128 -> 256 channels, stride 2, the pooled shortcut, 8 x 8 -> 4 x 4 maps) as one kernel on
+// Hopper warpgroup MMAs (sm_90a), for inference: the shortcut (3x3 average pool + 1x1 conv), conv1 + FixUp, conv2 +
+// FixUp, the squeeze-excitation and the residual join; 4 cooperating CTAs per 4 images.
+//
+// Why. Block 3 ran as four kernels (conv1 and the shortcut side by side, conv2, the squeeze-excite): ~28 us of the
+// forward's ~80 at batch 128 for 3.8 GFLOP, each convolution bound by its tiles re-streaming both operands from L2
+// (PERF.md sessions 20-22). Block 2's kernel (fused_down_block_wgmma.cu) keeps an image on chip and streams only the
+// filters, but here one image is only 16 output pixels and the filters are 1.8 MB: one CTA per image would stream
+// 1.8 MB per SM. So a group of 4 CTAs takes 4 images (M = 64 rows: the minimum of a warpgroup MMA) and splits the
+// 256 output channels (64 each): every CTA streams a quarter of the filters (448 KB, as block 2's kernel) and the two
+// things a channel slice cannot compute alone go through L2: conv2's input h2 (each CTA writes its 64 channels, then
+// loads the other 192) and the squeeze's fc1 (each CTA's partial sums over its channels).
+//
+// Why not a thread block cluster with distributed shared memory (the first version): a cluster of 4 must sit in one
+// GPC, and at one CTA per SM only 30 such clusters fit on a 132-SM H100 (cudaOccupancyMaxActiveClusters), so batch
+// 128 (32 groups) ran in two waves: 29.9 us against 15 us for one. Plain CTAs fill 128 SMs in one wave. A CTA takes
+// its (group, rank) from a ticket counter as it starts, so a CTA that waits for its group only waits for CTAs that
+// were dispatched before it and run (forward progress at any batch size, with no co-residency assumption).
+//
+// How:
+//   - M = 4 images x 16 output pixels (warp w of a warpgroup: image w % 4), N = the CTA's 64 output channels, K = taps
+//     x input channels; wgmma m64n64k16 with A from registers and B (the filters) from shared memory. Register A is
+//     what makes a 4-pixel-wide output work: block 2's trick (each tap's im2col a descriptor start address) needs
+//     8-pixel rows, but ldmatrix takes any address per row, so each lane points its row at the tap's input pixel, or
+//     at a zero pixel where the tap falls in the padding.
+//   - Two compute warpgroups. Over conv1's 9 taps both load the same A fragments; warpgroup 0 multiplies them with
+//     conv1's filter, warpgroup 1 with the shortcut's 1x1 filter (resident, the same on every tap): the 3x3 average
+//     pool is then the sum over the taps, / 9 at the end, with no pool pass (which, on 4 warps, took 4.8 us of 25).
+//     conv2's 18 chunks alternate between the warpgroups (input channels 0-127 / 128-255), whose two accumulators are
+//     summed through shared memory, each warpgroup keeping 32 of the 64 channels for the epilogue.
+//   - Activations pixel-major with swizzled 16-byte chunks (chunk c of pixel p at c ^ f(p), f chosen so that the 8
+//     rows of each ldmatrix / stmatrix matrix hit 8 different bank groups for every tap, stride 2 included).
+//   - The filters (per CTA: the shortcut's 1x1, conv1's 9 taps, conv2's 9 taps x 2 input halves; 28 chunks of 16 KB,
+//     fused_down_block_filter_ranks() slices of tap planes, weight_layout.h kTapPlanes): the shortcut's chunk to its
+//     own buffer, the others through a ring of 6 stages as in block 2's kernel (one producer thread, bulk copies on
+//     full barriers, an empty barrier per stage). The next chunk's A fragments load while a chunk's MMAs run.
+//   - h2 = T(T(relu(acc + b1b)) + b2a) into this CTA's channels of the local h2 image and of args.h2 (global), a
+//     release increment of the group's counter, and once it shows the 4 CTAs' increments, the other 192 channels
+//     from args.h2 (cp.async through L2). The counters only grow (4 increments per group per launch: the generation
+//     is old / 4), so replays need no reset.
+//   - Squeeze-excite per warp (image, 32 channels): channel sums over lanes, fc1's partial sums over the CTA's 64
+//     channels to args.partials, the same counter handshake, the 4 ranks' sums in rank order 0..3 (the same bits in
+//     every CTA), ReLU, the warp's 32 gates, the join y = relu(o * gate + identity) and a_next = T(y + next_b1a).
+//   - Loops over taps stay rolled (a pair of taps per iteration, for the two register buffers): the first version,
+//     unrolled, lost 21% of its stall samples to instruction fetch.
+// Numerics as block 2's kernel: the same rules, fixed reduction orders, no atomic arithmetic on data (the same input
+// gives the same bits). Shared memory: 96 KB ring + 16 KB shortcut filter + 64 KB image (later v, the identity and conv2's
+// exchange) + 32 KB h2 + 8.3 KB squeeze-excite weights + 3.8 KB squeeze-excite scratch + a zero pixel, barriers.
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/encoder/encoder_kernels.h"
+#include "kernels/encoder/numeric.cuh"
+#include "kernels/programmatic_launch.h"
+#include "kernels/shared_memory_ptx.cuh"
+#include "kernels/wgmma_ptx.cuh"
+
+namespace kfuse::kernels {
+namespace {
+
+constexpr int kCin = 128, kP = 256, kHidden = kP / 16;
+constexpr int kRanks = 4, kPr = kP / kRanks;  // the group's CTAs, each with 64 output channels
+constexpr int kImages = 4;                     // per group
+constexpr int kInW = 8, kInPix = 64, kOutW = 4, kOutPix = 16, kRows = kImages * kOutPix;
+// The filter stream of one CTA: chunk 0 the shortcut, 1-9 conv1's taps, 10 + 2 t + kh conv2's tap t, input half kh.
+constexpr int kFilterPlane = kPr * 16;          // a (tap, 8-input-channel group) plane: 64 output channels x 16 B
+constexpr int kChunkBytes = 16 * kFilterPlane;  // 16 KB: 128 input channels of one tap
+constexpr int kConv2Chunk = 10, kChunks = 28, kTaps = 9;
+constexpr int kStages = 6, kFirstChunks = 2;
+// Activations: pixel-major, 16-byte chunks swizzled.
+constexpr int kImgPix = kCin * 2, kImgBytes = kImages * kInPix * kImgPix;  // [image][8 x 8][16 chunks]
+constexpr int kZeroBytes = kP * 2;                                         // a zero pixel of up to 32 chunks
+constexpr int kTilePix = kPr * 2, kTileBytes = kRows * kTilePix;           // idt, v: [row][8 chunks]
+constexpr int kH2Pix = kP * 2, kH2Bytes = kRows * kH2Pix;                  // [image][4 x 4][32 chunks]
+constexpr int kCompute = 256;                                              // two warpgroups
+constexpr int kThreads = kCompute + 32;                                    // + the producer warp
+// Over the input image once conv1 is done: v, the identity, conv2's accumulator exchange (2 x 128 threads x 16 fp32).
+constexpr int kVOff = 0, kIdtTileOff = kTileBytes, kXchgOff = 2 * kTileBytes, kXchgBytes = 2 * 128 * 16 * 4;
+// The squeeze-excite's parameters of this CTA's channels, fp32: fc1 [16][64] (columns 64 rank ..), fc1_b [16],
+// fc2 [64][16] (rows 64 rank ..), fc2_b [64].
+constexpr int kFc1W = 0, kFc1B = kFc1W + kHidden * kPr * 4, kFc2W = kFc1B + kHidden * 4,
+              kFc2B = kFc2W + kPr * kHidden * 4, kFcBytes = kFc2B + kPr * 4;
+// Its scratch: channel means [image][64], fc1 partial sums [rank][image][16] (all 4 CTAs'), hidden units [warp][16],
+// gates [warp][32], the CTA's ticket.
+constexpr int kMean = 0, kHpart = kMean + kImages * kPr * 4, kHid = kHpart + kRanks * kImages * kHidden * 4,
+              kGate = kHid + 8 * kHidden * 4, kTicket = kGate + 8 * 32 * 4, kSeBytes = kTicket + 16;
+constexpr int kRingOff = 0, kScOff = kRingOff + kStages * kChunkBytes, kImgOff = kScOff + kChunkBytes,
+              kZeroOff = kImgOff + kImgBytes, kH2Off = kZeroOff + kZeroBytes, kFcOff = kH2Off + kH2Bytes,
+              kSeOff = kFcOff + kFcBytes, kBarOff = kSeOff + kSeBytes;
+// full and empty per stage, the shortcut's filter, image_ready
+constexpr int kBarriers = 2 * kStages + 2;
+constexpr size_t kSmemBytes = size_t(kBarOff) + kBarriers * 8;
+static_assert(kXchgOff + kXchgBytes <= kImgBytes, "v, the identity and the exchange fit over the input image");
+static_assert(kChunks == kConv2Chunk + 2 * kTaps, "shortcut, conv1's 9 taps, conv2's 9 taps x 2 halves");
+static_assert(kBarOff % 8 == 0 && kSmemBytes <= 227 * 1024, "shared memory");
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KFUSE_FUSED_DOWN_GROUP_DEVICE 1
+#endif
+
+#ifdef KFUSE_FUSED_DOWN_GROUP_DEVICE
+using ptx::lds128;
+using ptx::smem_desc;
+using ptx::smem_u32;
+using ptx::sts128;
+
+// d (64 x 64, fp32, the warpgroup's accumulator layout) += A (registers: warp w's rows 16 w .. 16 w + 15 as
+// ldmatrix.x4 loads them, 64 x 16) * B (shared, K-major, 16 x 64).
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (kBf16) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  } else {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  }
+}
+
+// Swizzle of the input image's pixel (iy, ix): the 8 rows of an ldmatrix matrix are 8 output pixels (2 rows x 4
+// columns), whose stride-2 taps read ix / 2 = ox + const (4 consecutive values) and iy / 2 = oy + const (2
+// consecutive): 8 different values of f. Out-of-image pixels (-1) keep the formula (the zero pixel is read through
+// it, so the 8 rows still differ).
+__device__ __forceinline__ int img_swizzle(int iy, int ix) { return ((ix >> 1) & 3) | (((iy >> 1) & 1) << 2); }
+// Swizzle of a 4 x 4 map's pixel (h2, the tiles): stride-1 taps read 4 consecutive ix and 2 consecutive iy; for an
+// in-map pixel p = 4 iy + ix it is p & 7.
+__device__ __forceinline__ int map_swizzle(int iy, int ix) { return (ix & 3) | ((iy & 1) << 2); }
+
+// Where a lane's ldmatrix row of A starts (a pixel of 16-byte chunks, or the zero pixel) and that pixel's swizzle.
+struct RowSource {
+  uint32_t pixel;
+  int swz;
+};
+// One chunk's A fragments: 8 k-steps of 16 channels from chunk `first` of the row's pixel; `hi` (lane / 16) picks
+// the upper 8 channels of each step.
+__device__ __forceinline__ void load_a(uint32_t (&a)[8][4], RowSource src, int first, int hi) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) ptx::ldsm_x4(a[kk], src.pixel + (((first + 2 * kk + hi) ^ src.swz) << 4));
+}
+
+// The group's handshake on a counter in global memory (CUTLASS's semaphore pattern): the compute threads' global
+// writes, a barrier, then one thread's release increment; it waits until the counter shows the 4 CTAs' increments of
+// this launch (the generation: its own increment's old value / 4), then a barrier. Counters only grow.
+__device__ __forceinline__ void group_handshake(unsigned* counter, int tid) {
+  ptx::named_barrier(1, 256);
+  if (tid == 0) {
+    unsigned old;
+    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+    const unsigned target = (old / 4 + 1) * 4;
+    unsigned now;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(now) : "l"(counter) : "memory");
+    } while (int(now - target) < 0);
+  }
+  ptx::named_barrier(1, 256);
+}
+
+// The 9 taps of a convolution into acc: tap t's A fragments from a_src(t) (chunk `first` on), its filter chunk at
+// b_addr(t) (16 KB, tap planes) once wait(t) returned; release(t) once its MMAs completed. One commit group per tap,
+// one group in flight, the next tap's fragments loading while a tap's MMAs run (two register buffers, so the loop
+// takes two taps per iteration and stays rolled).
+template <bool kBf16, class Src, class BAddr, class Wait, class Release>
+__device__ __forceinline__ void conv_taps(float (&acc)[32], uint32_t (&a)[2][8][4], int first, int hi, Src a_src,
+                                          BAddr b_addr, Wait wait, Release release) {
+  auto step = [&](auto buffer, int t) {
+    constexpr int B = decltype(buffer)::value;
+    wait(t);
+    ptx::hold(acc);
+    ptx::hold(a[B]);
+    ptx::wgmma_fence();  // one fence per batch (as CUTLASS's mainloop), so that ptxas need not inject waits
+    const uint32_t b = b_addr(t);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma_m64n64k16_rs<kBf16>(acc, a[B][kk], smem_desc(b + 2 * kk * kFilterPlane, kFilterPlane, 8 * 16));
+    ptx::wgmma_commit();
+    if (t > 0) {
+      ptx::wgmma_wait<1>();
+      ptx::hold(acc);
+      ptx::hold(a[B ^ 1]);
+      release(t - 1);
+    }
+    if (t + 1 < kTaps) load_a(a[B ^ 1], a_src(t + 1), first, hi);
+  };
+  load_a(a[0], a_src(0), first, hi);
+#pragma unroll 1
+  for (int t = 0; t + 1 < kTaps; t += 2) {
+    step(std::integral_constant<int, 0>{}, t);
+    step(std::integral_constant<int, 1>{}, t + 1);
+  }
+  step(std::integral_constant<int, 0>{}, kTaps - 1);
+  ptx::wgmma_wait<0>();
+  ptx::hold(acc);
+  release(kTaps - 1);
+}
+
+#endif  // KFUSE_FUSED_DOWN_GROUP_DEVICE
+
+template <class T, bool kBf16>
+__global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(const FusedDownBlockArgs p) {
+#ifdef KFUSE_FUSED_DOWN_GROUP_DEVICE
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t base = smem_u32(smem);
+  const uint32_t ring = base + kRingOff, scf = base + kScOff, img = base + kImgOff, zero = base + kZeroOff,
+                 h2 = base + kH2Off, fc = base + kFcOff, full0 = base + kBarOff, empty0 = full0 + 8 * kStages,
+                 sc_full = empty0 + 8 * kStages, image_ready = sc_full + 8;
+  const uint32_t vt = img + kVOff, idt = img + kIdtTileOff, xchg = img + kXchgOff;
+  float* const se = reinterpret_cast<float*>(smem + kSeOff);
+  const float* const fc1_w = reinterpret_cast<const float*>(smem + kFcOff + kFc1W);
+  const float* const fc1_b = reinterpret_cast<const float*>(smem + kFcOff + kFc1B);
+  const float* const fc2_w = reinterpret_cast<const float*>(smem + kFcOff + kFc2W);
+  const float* const fc2_b = reinterpret_cast<const float*>(smem + kFcOff + kFc2B);
+  const int tid = threadIdx.x;
+  unsigned* const sync = p.sync;  // [0] the ticket counter, [1 + 2 group] h2's, [2 + 2 group] the partial sums'
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(full0 + 8 * s, 1);
+      ptx::mbar_init(empty0 + 8 * s, 4);  // the 4 warps of the warpgroup that reads the chunk
+    }
+    ptx::mbar_init(sc_full, 1);
+    ptx::mbar_init(image_ready, kCompute / 32);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    // The ticket: CTAs take them in the order they start; atomicInc wraps to 0 after the grid's last one.
+    reinterpret_cast<unsigned*>(smem + kSeOff + kTicket)[0] = atomicInc(sync, gridDim.x - 1);
+  }
+  if (tid < kZeroBytes / 16) sts128(zero + 16 * tid, make_uint4(0u, 0u, 0u, 0u));
+  __syncthreads();  // publishes the barriers' initialization and the ticket; the last CTA-wide barrier
+  const int ticket = int(reinterpret_cast<const unsigned*>(smem + kSeOff + kTicket)[0]);
+  const int rank = ticket % kRanks, group = ticket / kRanks, image0 = group * kImages;
+
+  if (tid >= kCompute) {
+    // The producer: the filters are parameters, never written by the kernels before this one, so the stream starts
+    // before the programmatic wait.
+    if (tid == kCompute) {
+      const char* src = static_cast<const char*>(p.filters) + size_t(rank) * kChunks * kChunkBytes;
+      ptx::mbar_arrive_expect_tx(sc_full, kChunkBytes);
+      ptx::bulk_copy_g2s(scf, src, kChunkBytes, sc_full);
+      for (int c = 1; c < kChunks; ++c) {
+        const int s = (c - 1) % kStages, use = (c - 1) / kStages;
+        if (c == kFirstChunks) ptx::mbar_wait(image_ready, 0);  // the image first (block 2's kernel: measured)
+        if (use > 0) ptx::mbar_wait(empty0 + 8 * s, (use - 1) & 1);
+        ptx::mbar_arrive_expect_tx(full0 + 8 * s, kChunkBytes);
+        ptx::bulk_copy_g2s(ring + s * kChunkBytes, src + size_t(c) * kChunkBytes, kChunkBytes, full0 + 8 * s);
+      }
+    }
+    return;
+  }
+  // The squeeze-excite's weights of this CTA's channels in the first cp.async group, waited for with the image.
+  for (int i = tid; i < kHidden * kPr / 4; i += kCompute)  // fc1 columns 64 rank .. 64 rank + 63 of each row
+    ptx::cp_async16(fc + kFc1W + 16 * i, p.fc1_w + (i / (kPr / 4)) * kP + kPr * rank + 4 * (i % (kPr / 4)));
+  for (int i = tid; i < kPr * kHidden / 4; i += kCompute)
+    ptx::cp_async16(fc + kFc2W + 16 * i, p.fc2_w + kPr * kHidden * rank + 4 * i);
+  if (tid < kHidden / 4) ptx::cp_async16(fc + kFc1B + 16 * tid, p.fc1_b + 4 * tid);
+  if (tid < kPr / 4) ptx::cp_async16(fc + kFc2B + 16 * tid, p.fc2_b + kPr * rank + 4 * tid);
+  ptx::cp_async_commit();
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
+
+  // The group's 4 input images, swizzled (images past n: zeros; their rows are never stored).
+  {
+    const uint4* a_in = static_cast<const uint4*>(p.a);
+#pragma unroll 4
+    for (int k = 0; k < kImages * kInPix * 16 / kCompute; ++k) {
+      const int id = k * kCompute + tid, i = id >> 10, pix = (id >> 4) & 63, c = id & 15;
+      const uint32_t dst = img + (i * kInPix + pix) * kImgPix + ((c ^ img_swizzle(pix >> 3, pix & 7)) << 4);
+      if (image0 + i < p.n)
+        ptx::cp_async16(dst, a_in + (int64_t(image0 + i) * kInPix + pix) * 16 + c);
+      else
+        sts128(dst, make_uint4(0u, 0u, 0u, 0u));
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncwarp();
+    if ((tid & 31) == 0) ptx::mbar_arrive(image_ready);
+  }
+  ptx::named_barrier(1, kCompute);
+
+  const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2, w4 = warp & 3, q = lane & 3, mi = lane >> 3,
+            hi = mi >> 1;
+  // This lane's ldmatrix / stmatrix row: output pixel pl of image w4 (row 16 w4 + pl of M).
+  const int pl = 8 * (mi & 1) + (lane & 7), oy = pl >> 2, ox = pl & 3, row = 16 * w4 + pl;
+  auto slot_of = [](int c) { return (c - 1) % kStages; };
+  auto wait_chunk = [&](int c) { ptx::mbar_wait(full0 + 8 * slot_of(c), ((c - 1) / kStages) & 1); };
+  // Once this warp's MMAs that read chunk c completed (after a wgmma wait): its stage may be refilled.
+  auto release_chunk = [&](int c) {
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(empty0 + 8 * slot_of(c));
+  };
+  uint32_t a[2][8][4];
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+
+  // conv1's taps, both warpgroups on the same A fragments: warpgroup 0 with conv1's filter (chunks 1-9 of the ring),
+  // warpgroup 1 with the shortcut's (its own buffer): the pooled 1x1 shortcut is sum over the taps / 9.
+  {
+    auto conv1_row = [&](int t) {
+      const int iy = 2 * oy + t / 3 - 1, ix = 2 * ox + t % 3 - 1;
+      const uint32_t px = iy >= 0 && ix >= 0 ? img + (w4 * kInPix + iy * kInW + ix) * kImgPix : zero;
+      return RowSource{px, img_swizzle(iy, ix)};
+    };
+    if (wg == 0) {
+      conv_taps<kBf16>(
+          acc, a, 0, hi, conv1_row, [&](int t) { return ring + slot_of(1 + t) * kChunkBytes; },
+          [&](int t) { wait_chunk(1 + t); }, [&](int t) { release_chunk(1 + t); });
+    } else {
+      ptx::mbar_wait(sc_full, 0);
+      conv_taps<kBf16>(
+          acc, a, 0, hi, conv1_row, [&](int) { return scf; }, [](int) {}, [](int) {});
+    }
+  }
+  ptx::named_barrier(1, kCompute);  // every warp is done with the input image: v, idt and the exchange go over it
+
+  // Epilogues through stmatrix (lane l addresses row l % 8 of matrix l / 8: pixel pl, channel block 2 jj + hi):
+  // warpgroup 0 h2 into this CTA's channels of the local h2, warpgroup 1 the identity T(acc / 9) into its tile.
+  const float b1b = __ldg(p.scalars + 1), b2a = __ldg(p.scalars + 2), scale = __ldg(p.scalars + 3),
+              b2b = __ldg(p.scalars + 4);
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    const int cb = 2 * jj + hi;
+    uint32_t r[4];
+    if (wg == 0) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float2 hf = pair_to_f2<T>(pack2<T>(relu_keep_nan(acc[8 * jj + 2 * u] + b1b),
+                                                 relu_keep_nan(acc[8 * jj + 2 * u + 1] + b1b)));
+        r[u] = pack2_after_relu<T>(hf.x, hf.y, b2a);
+      }
+      ptx::stsm_x4(h2 + row * kH2Pix + (((kPr / 8 * rank + cb) ^ (pl & 7)) << 4), r);
+    } else {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) r[u] = pack2<T>(acc[8 * jj + 2 * u] / 9.f, acc[8 * jj + 2 * u + 1] / 9.f);
+      ptx::stsm_x4(idt + row * kTilePix + ((cb ^ (pl & 7)) << 4), r);
+    }
+  }
+  ptx::named_barrier(1, kCompute);  // this CTA's slice of h2 is complete
+  // The slice (64 pixels x 8 chunks) to args.h2, the handshake, the other three slices from it.
+  uint4* const h2_global = static_cast<uint4*>(p.h2);
+#pragma unroll
+  for (int k = 0; k < kRows * 8 / kCompute; ++k) {
+    const int id = k * kCompute + tid, px = id >> 3, j = id & 7, image = image0 + (px >> 4);
+    if (image < p.n)
+      h2_global[(int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + kPr / 8 * rank + j] =
+          lds128(h2 + px * kH2Pix + (((kPr / 8 * rank + j) ^ (px & 7)) << 4));
+  }
+  group_handshake(sync + 1 + 2 * group, tid);
+#pragma unroll
+  for (int k = 0; k < kRows * 24 / kCompute; ++k) {
+    const int id = k * kCompute + tid, px = id / 24, c = (id % 24 + kPr / 8 * (rank + 1)) % (kP / 8),
+              image = image0 + (px >> 4);
+    if (image < p.n)
+      ptx::cp_async16(h2 + px * kH2Pix + ((c ^ (px & 7)) << 4),
+                      h2_global + (int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + c);
+  }
+  ptx::cp_async_commit();
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  ptx::cp_async_wait<0>();
+  ptx::named_barrier(1, kCompute);  // all 256 channels of h2 are in
+
+  // conv2: warpgroup g takes the chunks of input half g (chunk 10 + 2 t + g: tap t, channels 128 g .. 128 g + 127).
+  {
+    auto conv2_row = [&](int t) {
+      const int iy = oy + t / 3 - 1, ix = ox + t % 3 - 1;
+      const bool in = iy >= 0 && iy < kOutW && ix >= 0 && ix < kOutW;
+      return RowSource{in ? h2 + (w4 * kOutPix + iy * kOutW + ix) * kH2Pix : zero, map_swizzle(iy, ix)};
+    };
+    auto chunk = [&](int t) { return kConv2Chunk + 2 * t + wg; };
+    conv_taps<kBf16>(
+        acc, a, 16 * wg, hi, conv2_row, [&](int t) { return ring + slot_of(chunk(t)) * kChunkBytes; },
+        [&](int t) { wait_chunk(chunk(t)); }, [&](int t) { release_chunk(chunk(t)); });
+  }
+  // The two halves' sums: warpgroup g keeps channels 32 g .. 32 g + 31 (accumulator registers 16 g .. 16 g + 15:
+  // selected with constant indices, so that the array stays in registers) and gives the other 16 registers to the
+  // other warpgroup's thread of the same warp and lane.
+  float mine[16];
+  {
+    const int tw = tid & 127;
+    float theirs[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      mine[i] = wg == 0 ? acc[i] : acc[16 + i];
+      theirs[i] = wg == 0 ? acc[16 + i] : acc[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(xchg + ((1 - wg) * 512 + i * 128 + tw) * 16),
+                   "f"(theirs[4 * i]), "f"(theirs[4 * i + 1]), "f"(theirs[4 * i + 2]), "f"(theirs[4 * i + 3])
+                   : "memory");
+    ptx::named_barrier(1, kCompute);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float4 v;
+      asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                   : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                   : "r"(xchg + (wg * 512 + i * 128 + tw) * 16));
+      mine[4 * i] += v.x, mine[4 * i + 1] += v.y, mine[4 * i + 2] += v.z, mine[4 * i + 3] += v.w;
+    }
+  }
+
+  // v = T(acc) of the warpgroup's 32 channels into its tile; the squeeze's sums of o = T(v * scale + b2b) over the
+  // image's 16 pixels: this thread's two rows, then the 8 lanes of a channel (g = lane / 4).
+  float cs[8];
+#pragma unroll
+  for (int jj = 0; jj < 2; ++jj) {
+    const int cb = 2 * (2 * wg + jj) + hi;
+    uint32_t r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) r[u] = pack2<T>(mine[8 * jj + 2 * u], mine[8 * jj + 2 * u + 1]);
+    ptx::stsm_x4(vt + row * kTilePix + ((cb ^ (pl & 7)) << 4), r);
+    // r[0] / r[1]: the pair's first column block, rows g / g + 8; r[2] / r[3]: its second.
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const float2 lo = pair_to_f2<T>(r[2 * b]), up = pair_to_f2<T>(r[2 * b + 1]);
+      cs[2 * (2 * jj + b)] = affine1<T>(lo.x, scale, b2b) + affine1<T>(up.x, scale, b2b);
+      cs[2 * (2 * jj + b) + 1] = affine1<T>(lo.y, scale, b2b) + affine1<T>(up.y, scale, b2b);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+#pragma unroll
+    for (int off = 4; off <= 16; off <<= 1) cs[k] += __shfl_xor_sync(0xffffffffu, cs[k], off);
+  }
+  float* const mean = se + kMean / 4 + w4 * kPr;  // [image][64]
+  if (lane < 4) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) mean[32 * wg + 8 * (k >> 1) + 2 * q + (k & 1)] = cs[k] / float(kOutPix);
+  }
+  ptx::named_barrier(1, kCompute);  // both warpgroups' means of the image are in
+  // fc1's partial sums over this CTA's 64 channels: warp (g, image) takes hidden units 8 g .. 8 g + 7, 4 lanes per
+  // unit, 16 channels per lane (each lane group starting at its own channel: the fc1 rows would share banks), kept
+  // here and pushed to the other CTAs' slot [rank].
+  {
+    const int k = 8 * wg + (lane >> 2), part = lane & 3;
+    float s = 0.f;
+#pragma unroll
+    for (int u = 0; u < 16; ++u) {
+      const int c = 16 * part + ((u + (lane >> 2)) & 15);
+      s += fc1_w[k * kPr + c] * mean[c];
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (part == 0) p.partials[(int64_t(group) * kRanks + rank) * kImages * kHidden + w4 * kHidden + k] = s;
+  }
+  group_handshake(sync + 2 + 2 * group, tid);
+  // The 4 ranks' partial sums of the group: [rank][image][unit], 1 KB, through L2.
+  {
+    const float4* src = reinterpret_cast<const float4*>(p.partials + int64_t(group) * kRanks * kImages * kHidden);
+    if (tid < kRanks * kImages * kHidden / 4) {
+      const float4 v = __ldcg(src + tid);
+      reinterpret_cast<float4*>(se + kHpart / 4)[tid] = v;
+    }
+  }
+  ptx::named_barrier(1, kCompute);
+  // fc1 + ReLU (the 4 ranks' partial sums in rank order; both warpgroups compute the image's 16 units), then the
+  // warp's 32 gates (fc2 + sigmoid).
+  float* const hid = se + kHid / 4 + warp * kHidden;
+  float* const gates = se + kGate / 4 + warp * 32;
+  if (lane < kHidden) {
+    const float* hp = se + kHpart / 4 + w4 * kHidden + lane;
+    const float s = ((hp[0] + hp[kImages * kHidden]) + hp[2 * kImages * kHidden]) + hp[3 * kImages * kHidden];
+    hid[lane] = relu_keep_nan(s + fc1_b[lane]);
+  }
+  __syncwarp();
+  {
+    const int c = 32 * wg + lane;
+    float s = fc2_b[c];
+#pragma unroll
+    for (int u = 0; u < kHidden; ++u) {
+      const int k = (u + lane) & (kHidden - 1);
+      s += fc2_w[c * kHidden + k] * hid[k];
+    }
+    gates[lane] = 1.f / (1.f + __expf(-s));
+  }
+  __syncwarp();
+  // The join: the warp's image, 16 pixels x its 4 chunks; 4 lanes store one pixel's 64 bytes.
+  const int image = image0 + w4;
+  if (image >= p.n) return;
+  const float nb1a = p.a_next ? __ldg(p.next_b1a) : 0.f;
+  uint4* const y_out = static_cast<uint4*>(p.y);
+  uint4* const a_next = static_cast<uint4*>(p.a_next);
+#pragma unroll 1
+  for (int k = 0; k < kOutPix * 4 / 32; ++k) {
+    const int id = k * 32 + lane, px = id >> 2, j = id & 3, cb = 4 * wg + j, r = 16 * w4 + px;
+    float v[8], id8[8], y[8];
+    unpack8<T>(lds128(vt + r * kTilePix + ((cb ^ (px & 7)) << 4)), v);
+    unpack8<T>(lds128(idt + r * kTilePix + ((cb ^ (px & 7)) << 4)), id8);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      y[e] = relu_keep_nan(fmaf(affine1<T>(v[e], scale, b2b), gates[8 * j + e], id8[e]));
+    const int64_t o = (int64_t(image) * kOutPix + px) * (kP / 8) + kPr / 8 * rank + cb;
+    if (y_out) y_out[o] = pack8<T>(y);
+    if (a_next) a_next[o] = pack8_after_relu<T>(y, nb1a);
+  }
+#else
+  // Compiled for another architecture: never launched (fused_down_block_group_smem_bytes requires compute
+  // capability 9.0).
+  __trap();
+#endif
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+int fused_down_block_groups(int n) { return (n + kImages - 1) / kImages; }
+
+size_t fused_down_block_group_smem_bytes(int in_planes, int planes, int hidden, int h, int w, int cc_major,
+                                           int cc_minor) {
+  return in_planes == kCin && planes == kP && hidden == kHidden && h == 2 * kOutW && w == 2 * kOutW &&
+                 cc_major == 9 && cc_minor == 0
+             ? kSmemBytes
+             : 0;
+}
+
+cudaError_t launch_fused_down_block_group_wgmma(const FusedDownBlockArgs& p, ConvDType dtype, cudaStream_t stream) {
+  int dev = 0, major = 0, minor = 0, optin = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err != cudaSuccess) return err;
+  const size_t smem = fused_down_block_group_smem_bytes(p.in_planes, p.planes, p.hidden, p.h, p.w, major, minor);
+  if (smem == 0 || smem > size_t(optin) || p.n <= 0 || !p.a || !p.filters || !p.scalars || !p.fc1_w || !p.fc1_b ||
+      !p.fc2_w || !p.fc2_b || (!p.y && !p.a_next) || (p.a_next && !p.next_b1a) || !p.h2 || !p.partials || !p.sync)
+    return cudaErrorInvalidValue;
+  const void* const pointers[] = {p.a, p.filters, p.y, p.a_next, p.fc1_w, p.fc1_b, p.fc2_w, p.fc2_b, p.h2, p.partials};
+  for (const void* ptr : pointers)
+    if (ptr && !aligned16(ptr)) return cudaErrorInvalidValue;
+  const auto kernel = dtype == ConvDType::kF16 ? fused_down_block_group_kernel<__half, false>
+                                               : fused_down_block_group_kernel<__nv_bfloat16, true>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+  err = launch_kernel(kernel, dim3(fused_down_block_groups(p.n) * kRanks), dim3(kThreads), smem, stream, true, p);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+}  // namespace kfuse::kernels
