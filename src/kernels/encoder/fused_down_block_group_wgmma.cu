@@ -23,9 +23,12 @@
 //     what makes a 4-pixel-wide output work: block 2's trick (each tap's im2col a descriptor start address) needs
 //     8-pixel rows, but ldmatrix takes any address per row, so each lane points its row at the tap's input pixel, or
 //     at a zero pixel where the tap falls in the padding.
-//   - Two compute warpgroups. Over conv1's 9 taps both load the same A fragments; warpgroup 0 multiplies them with
-//     conv1's filter, warpgroup 1 with the shortcut's 1x1 filter (resident, the same on every tap): the 3x3 average
-//     pool is then the sum over the taps, / 9 at the end, with no pool pass (which, on 4 warps, took 4.8 us of 25).
+//   - Two compute warpgroups. Warpgroup 0 runs conv1 over its 9 taps; then warpgroup 1 multiplies the same taps' A
+//     fragments with the shortcut's 1x1 filter (resident, the same on every tap: the 3x3 average pool is the sum over
+//     the taps, / 9 at the end, with no pool pass, which on 4 warps took 4.8 us of the first version's 25) while
+//     warpgroup 0 writes h2 and the group exchanges it. (Side by side the two ran at half speed each: these
+//     register-A MMAs share the tensor cores at ~60-80 clocks per m64n64k16. A pool summed from the fragments in
+//     fp32 registers measured slower still: ~4 us.)
 //     conv2's 18 chunks alternate between the warpgroups (input channels 0-127 / 128-255), whose two accumulators are
 //     summed through shared memory, each warpgroup keeping 32 of the 64 channels for the epilogue.
 //   - Activations pixel-major with swizzled 16-byte chunks (chunk c of pixel p at c ^ f(p), f chosen so that the 8
@@ -90,8 +93,8 @@ constexpr int kMean = 0, kHpart = kMean + kImages * kPr * 4, kHid = kHpart + kRa
 constexpr int kRingOff = 0, kScOff = kRingOff + kStages * kChunkBytes, kImgOff = kScOff + kChunkBytes,
               kZeroOff = kImgOff + kImgBytes, kH2Off = kZeroOff + kZeroBytes, kFcOff = kH2Off + kH2Bytes,
               kSeOff = kFcOff + kFcBytes, kBarOff = kSeOff + kSeBytes;
-// full and empty per stage, the shortcut's filter, image_ready
-constexpr int kBarriers = 2 * kStages + 2;
+// full and empty per stage, the shortcut's filter, image_ready, conv1_done
+constexpr int kBarriers = 2 * kStages + 3;
 constexpr size_t kSmemBytes = size_t(kBarOff) + kBarriers * 8;
 static_assert(kXchgOff + kXchgBytes <= kImgBytes, "v, the identity and the exchange fit over the input image");
 static_assert(kChunks == kConv2Chunk + 2 * kTaps, "shortcut, conv1's 9 taps, conv2's 9 taps x 2 halves");
@@ -143,21 +146,25 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[8][4], RowSource src, int f
   for (int kk = 0; kk < 8; ++kk) ptx::ldsm_x4(a[kk], src.pixel + (((first + 2 * kk + hi) ^ src.swz) << 4));
 }
 
-// The group's handshake on a counter in global memory (CUTLASS's semaphore pattern): the compute threads' global
-// writes, a barrier, then one thread's release increment; it waits until the counter shows the 4 CTAs' increments of
-// this launch (the generation: its own increment's old value / 4), then a barrier. Counters only grow.
+// The group's handshake on a counter in global memory (CUTLASS's semaphore pattern): the writing threads' global
+// writes, a barrier among them, then one thread's release increment (group_arrive); that thread later waits until
+// the counter shows the 4 CTAs' increments of this launch (the generation: its own increment's old value / 4), then
+// a barrier of the readers (group_wait). Counters only grow.
+__device__ __forceinline__ unsigned group_arrive(unsigned* counter) {
+  unsigned old;
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  return (old / 4 + 1) * 4;
+}
+__device__ __forceinline__ void group_wait(const unsigned* counter, unsigned target) {
+  unsigned now;
+  do {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(now) : "l"(counter) : "memory");
+  } while (int(now - target) < 0);
+}
 __device__ __forceinline__ void group_handshake(unsigned* counter, int tid) {
   ptx::named_barrier(1, 256);
-  if (tid == 0) {
-    unsigned old;
-    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-    const unsigned target = (old / 4 + 1) * 4;
-    unsigned now;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(now) : "l"(counter) : "memory");
-    } while (int(now - target) < 0);
-  }
+  if (tid == 0) group_wait(counter, group_arrive(counter));
   ptx::named_barrier(1, 256);
 }
 
@@ -208,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
   const uint32_t base = smem_u32(smem);
   const uint32_t ring = base + kRingOff, scf = base + kScOff, img = base + kImgOff, zero = base + kZeroOff,
                  h2 = base + kH2Off, fc = base + kFcOff, full0 = base + kBarOff, empty0 = full0 + 8 * kStages,
-                 sc_full = empty0 + 8 * kStages, image_ready = sc_full + 8;
+                 sc_full = empty0 + 8 * kStages, image_ready = sc_full + 8, conv1_done = image_ready + 8;
   const uint32_t vt = img + kVOff, idt = img + kIdtTileOff, xchg = img + kXchgOff;
   float* const se = reinterpret_cast<float*>(smem + kSeOff);
   const float* const fc1_w = reinterpret_cast<const float*>(smem + kFcOff + kFc1W);
@@ -219,15 +226,18 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
   unsigned* const sync = p.sync;  // [0] the ticket counter, [1 + 2 group] h2's, [2 + 2 group] the partial sums'
 
   if (tid == 0) {
+    // The ticket: CTAs take them in the order they start; atomicInc wraps to 0 after the grid's last one. Asked
+    // first: its round trip overlaps the barriers' initialization.
+    const unsigned ticket = atomicInc(sync, gridDim.x - 1);
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(full0 + 8 * s, 1);
       ptx::mbar_init(empty0 + 8 * s, 4);  // the 4 warps of the warpgroup that reads the chunk
     }
     ptx::mbar_init(sc_full, 1);
     ptx::mbar_init(image_ready, kCompute / 32);
+    ptx::mbar_init(conv1_done, 4);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    // The ticket: CTAs take them in the order they start; atomicInc wraps to 0 after the grid's last one.
-    reinterpret_cast<unsigned*>(smem + kSeOff + kTicket)[0] = atomicInc(sync, gridDim.x - 1);
+    reinterpret_cast<unsigned*>(smem + kSeOff + kTicket)[0] = ticket;
   }
   if (tid < kZeroBytes / 16) sts128(zero + 16 * tid, make_uint4(0u, 0u, 0u, 0u));
   __syncthreads();  // publishes the barriers' initialization and the ticket; the last CTA-wide barrier
@@ -297,35 +307,31 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
 
-  // conv1's taps, both warpgroups on the same A fragments: warpgroup 0 with conv1's filter (chunks 1-9 of the ring),
-  // warpgroup 1 with the shortcut's (its own buffer): the pooled 1x1 shortcut is sum over the taps / 9.
-  {
-    auto conv1_row = [&](int t) {
-      const int iy = 2 * oy + t / 3 - 1, ix = 2 * ox + t % 3 - 1;
-      const uint32_t px = iy >= 0 && ix >= 0 ? img + (w4 * kInPix + iy * kInW + ix) * kImgPix : zero;
-      return RowSource{px, img_swizzle(iy, ix)};
-    };
-    if (wg == 0) {
-      conv_taps<kBf16>(
-          acc, a, 0, hi, conv1_row, [&](int t) { return ring + slot_of(1 + t) * kChunkBytes; },
-          [&](int t) { wait_chunk(1 + t); }, [&](int t) { release_chunk(1 + t); });
-    } else {
-      ptx::mbar_wait(sc_full, 0);
-      conv_taps<kBf16>(
-          acc, a, 0, hi, conv1_row, [&](int) { return scf; }, [](int) {}, [](int) {});
-    }
-  }
-  ptx::named_barrier(1, kCompute);  // every warp is done with the input image: v, idt and the exchange go over it
-
-  // Epilogues through stmatrix (lane l addresses row l % 8 of matrix l / 8: pixel pl, channel block 2 jj + hi):
-  // warpgroup 0 h2 into this CTA's channels of the local h2, warpgroup 1 the identity T(acc / 9) into its tile.
+  // conv1's taps, then the shortcut's on the same A fragments, one after the other on the tensor cores (side by side,
+  // each ran at half speed: 4.5 us for both): warpgroup 0 multiplies them with conv1's filter (chunks 1-9 of the
+  // ring); warpgroup 1 then with the shortcut's 1x1 filter (its own buffer, the same on every tap: the pooled
+  // shortcut is the sum over the taps / 9) while warpgroup 0 writes h2 and the group exchanges it.
   const float b1b = __ldg(p.scalars + 1), b2a = __ldg(p.scalars + 2), scale = __ldg(p.scalars + 3),
               b2b = __ldg(p.scalars + 4);
+  auto conv1_row = [&](int t) {
+    const int iy = 2 * oy + t / 3 - 1, ix = 2 * ox + t % 3 - 1;
+    const uint32_t px = iy >= 0 && ix >= 0 ? img + (w4 * kInPix + iy * kInW + ix) * kImgPix : zero;
+    return RowSource{px, img_swizzle(iy, ix)};
+  };
+  uint4* const h2_global = static_cast<uint4*>(p.h2);
+  unsigned h2_target = 0;
+  if (wg == 0) {
+    conv_taps<kBf16>(
+        acc, a, 0, hi, conv1_row, [&](int t) { return ring + slot_of(1 + t) * kChunkBytes; },
+        [&](int t) { wait_chunk(1 + t); }, [&](int t) { release_chunk(1 + t); });
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(conv1_done);
+    // h2 through stmatrix into this CTA's channels of the local h2 (lane l addresses row l % 8 of matrix l / 8:
+    // pixel pl, channel block 2 jj + hi), then to args.h2 and the group's counter.
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
-    const int cb = 2 * jj + hi;
-    uint32_t r[4];
-    if (wg == 0) {
+    for (int jj = 0; jj < 4; ++jj) {
+      const int cb = 2 * jj + hi;
+      uint32_t r[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const float2 hf = pair_to_f2<T>(pack2<T>(relu_keep_nan(acc[8 * jj + 2 * u] + b1b),
@@ -333,23 +339,34 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
         r[u] = pack2_after_relu<T>(hf.x, hf.y, b2a);
       }
       ptx::stsm_x4(h2 + row * kH2Pix + (((kPr / 8 * rank + cb) ^ (pl & 7)) << 4), r);
-    } else {
+    }
+    ptx::named_barrier(2, 128);  // this CTA's slice of h2 is complete
+#pragma unroll
+    for (int k = 0; k < kRows * 8 / 128; ++k) {
+      const int id = k * 128 + tid, px = id >> 3, j = id & 7, image = image0 + (px >> 4);
+      if (image < p.n)
+        h2_global[(int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + kPr / 8 * rank + j] =
+            lds128(h2 + px * kH2Pix + (((kPr / 8 * rank + j) ^ (px & 7)) << 4));
+    }
+    ptx::named_barrier(2, 128);
+    if (tid == 0) h2_target = group_arrive(sync + 1 + 2 * group);
+  } else {
+    ptx::mbar_wait(conv1_done, 0);
+    ptx::mbar_wait(sc_full, 0);
+    conv_taps<kBf16>(
+        acc, a, 0, hi, conv1_row, [&](int) { return scf; }, [](int) {}, [](int) {});
+    ptx::named_barrier(3, 128);  // this warpgroup is done with the input image: the identity goes over it
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int cb = 2 * jj + hi;
+      uint32_t r[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) r[u] = pack2<T>(acc[8 * jj + 2 * u] / 9.f, acc[8 * jj + 2 * u + 1] / 9.f);
       ptx::stsm_x4(idt + row * kTilePix + ((cb ^ (pl & 7)) << 4), r);
     }
   }
-  ptx::named_barrier(1, kCompute);  // this CTA's slice of h2 is complete
-  // The slice (64 pixels x 8 chunks) to args.h2, the handshake, the other three slices from it.
-  uint4* const h2_global = static_cast<uint4*>(p.h2);
-#pragma unroll
-  for (int k = 0; k < kRows * 8 / kCompute; ++k) {
-    const int id = k * kCompute + tid, px = id >> 3, j = id & 7, image = image0 + (px >> 4);
-    if (image < p.n)
-      h2_global[(int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + kPr / 8 * rank + j] =
-          lds128(h2 + px * kH2Pix + (((kPr / 8 * rank + j) ^ (px & 7)) << 4));
-  }
-  group_handshake(sync + 1 + 2 * group, tid);
+  if (tid == 0) group_wait(sync + 1 + 2 * group, h2_target);
+  ptx::named_barrier(1, kCompute);  // the group's slices of h2 are in args.h2; the input image is free
 #pragma unroll
   for (int k = 0; k < kRows * 24 / kCompute; ++k) {
     const int id = k * kCompute + tid, px = id / 24, c = (id % 24 + kPr / 8 * (rank + 1)) % (kP / 8),
