@@ -93,8 +93,8 @@ constexpr int kMean = 0, kHpart = kMean + kImages * kPr * 4, kHid = kHpart + kRa
 constexpr int kRingOff = 0, kScOff = kRingOff + kStages * kChunkBytes, kImgOff = kScOff + kChunkBytes,
               kZeroOff = kImgOff + kImgBytes, kH2Off = kZeroOff + kZeroBytes, kFcOff = kH2Off + kH2Bytes,
               kSeOff = kFcOff + kFcBytes, kBarOff = kSeOff + kSeBytes;
-// full and empty per stage, the shortcut's filter, image_ready, conv1_done
-constexpr int kBarriers = 2 * kStages + 3;
+// full and empty per stage, the shortcut's filter, image_ready, conv1_done, shortcut_done
+constexpr int kBarriers = 2 * kStages + 4;
 constexpr size_t kSmemBytes = size_t(kBarOff) + kBarriers * 8;
 static_assert(kXchgOff + kXchgBytes <= kImgBytes, "v, the identity and the exchange fit over the input image");
 static_assert(kChunks == kConv2Chunk + 2 * kTaps, "shortcut, conv1's 9 taps, conv2's 9 taps x 2 halves");
@@ -147,14 +147,14 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[8][4], RowSource src, int f
 }
 
 // The group's handshake on a counter in global memory (CUTLASS's semaphore pattern): the writing threads' global
-// writes, a barrier among them, then one thread's release increment (group_arrive); that thread later waits until
-// the counter shows the 4 CTAs' increments of this launch (the generation: its own increment's old value / 4), then
-// a barrier of the readers (group_wait). Counters only grow.
-__device__ __forceinline__ unsigned group_arrive(unsigned* counter) {
+// writes, a barrier among them, then one thread's release increment (group_arrive, `per_launch` increments per group
+// and launch); a thread later waits until the counter shows all of this launch's increments (the generation: an
+// increment's old value / per_launch), then a barrier of the readers (group_wait). Counters only grow.
+__device__ __forceinline__ unsigned group_arrive(unsigned* counter, unsigned per_launch) {
   unsigned old;
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
   asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-  return (old / 4 + 1) * 4;
+  return (old / per_launch + 1) * per_launch;
 }
 __device__ __forceinline__ void group_wait(const unsigned* counter, unsigned target) {
   unsigned now;
@@ -164,7 +164,7 @@ __device__ __forceinline__ void group_wait(const unsigned* counter, unsigned tar
 }
 __device__ __forceinline__ void group_handshake(unsigned* counter, int tid) {
   ptx::named_barrier(1, 256);
-  if (tid == 0) group_wait(counter, group_arrive(counter));
+  if (tid == 0) group_wait(counter, group_arrive(counter, kRanks));
   ptx::named_barrier(1, 256);
 }
 
@@ -215,7 +215,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
   const uint32_t base = smem_u32(smem);
   const uint32_t ring = base + kRingOff, scf = base + kScOff, img = base + kImgOff, zero = base + kZeroOff,
                  h2 = base + kH2Off, fc = base + kFcOff, full0 = base + kBarOff, empty0 = full0 + 8 * kStages,
-                 sc_full = empty0 + 8 * kStages, image_ready = sc_full + 8, conv1_done = image_ready + 8;
+                 sc_full = empty0 + 8 * kStages, image_ready = sc_full + 8, conv1_done = image_ready + 8,
+                 shortcut_done = conv1_done + 8;
   const uint32_t vt = img + kVOff, idt = img + kIdtTileOff, xchg = img + kXchgOff;
   float* const se = reinterpret_cast<float*>(smem + kSeOff);
   const float* const fc1_w = reinterpret_cast<const float*>(smem + kFcOff + kFc1W);
@@ -236,6 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
     ptx::mbar_init(sc_full, 1);
     ptx::mbar_init(image_ready, kCompute / 32);
     ptx::mbar_init(conv1_done, 4);
+    ptx::mbar_init(shortcut_done, 4);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     reinterpret_cast<unsigned*>(smem + kSeOff + kTicket)[0] = ticket;
   }
@@ -340,22 +342,33 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
       }
       ptx::stsm_x4(h2 + row * kH2Pix + (((kPr / 8 * rank + cb) ^ (pl & 7)) << 4), r);
     }
-    ptx::named_barrier(2, 128);  // this CTA's slice of h2 is complete
+    __syncwarp();
+    // Each warp copies the rows it wrote (its image: 16 pixels x 8 chunks) and increments the counter itself (16
+    // increments per group and launch), so that the warpgroup needs no barrier of its own.
+    const int image = image0 + w4;
 #pragma unroll
-    for (int k = 0; k < kRows * 8 / 128; ++k) {
-      const int id = k * 128 + tid, px = id >> 3, j = id & 7, image = image0 + (px >> 4);
+    for (int k = 0; k < kOutPix * 8 / 32; ++k) {
+      const int id = k * 32 + lane, px = 16 * w4 + (id >> 3), j = id & 7;
       if (image < p.n)
         h2_global[(int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + kPr / 8 * rank + j] =
             lds128(h2 + px * kH2Pix + (((kPr / 8 * rank + j) ^ (px & 7)) << 4));
     }
-    ptx::named_barrier(2, 128);
-    if (tid == 0) h2_target = group_arrive(sync + 1 + 2 * group);
+    __syncwarp();
+    if (lane == 0) {
+      const unsigned target = group_arrive(sync + 1 + 2 * group, kRanks * 4);
+      if (tid == 0) h2_target = target;
+    }
   } else {
     ptx::mbar_wait(conv1_done, 0);
     ptx::mbar_wait(sc_full, 0);
     conv_taps<kBf16>(
         acc, a, 0, hi, conv1_row, [&](int) { return scf; }, [](int) {}, [](int) {});
-    ptx::named_barrier(3, 128);  // this warpgroup is done with the input image: the identity goes over it
+    // This warpgroup is done with the input image: the identity goes over it. (An mbarrier: with 128-thread named
+    // barriers for each warpgroup, compute-sanitizer's racecheck reported hazards across the 256-thread barriers
+    // after conv2, which it does not without them.)
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(shortcut_done);
+    ptx::mbar_wait(shortcut_done, 0);
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       const int cb = 2 * jj + hi;
