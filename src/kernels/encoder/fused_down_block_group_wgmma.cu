@@ -37,10 +37,10 @@
 //     fused_down_block_filter_ranks() slices of tap planes, weight_layout.h kTapPlanes): the shortcut's chunk to its
 //     own buffer, the others through a ring of 6 stages as in block 2's kernel (one producer thread, bulk copies on
 //     full barriers, an empty barrier per stage). The next chunk's A fragments load while a chunk's MMAs run.
-//   - h2 = T(T(relu(acc + b1b)) + b2a) into this CTA's channels of the local h2 image and of args.h2 (global), a
-//     release increment of the group's counter, and once it shows the 4 CTAs' increments, the other 192 channels
-//     from args.h2 (cp.async through L2). The counters only grow (4 increments per group per launch: the generation
-//     is old / 4), so replays need no reset.
+//   - h2 = T(T(relu(acc + b1b)) + b2a) into this CTA's channels of the local h2 image and of args.h2 (global), each
+//     warp its own rows and then a release increment of the group's counter; once the counter shows the group's 16
+//     increments, the other 192 channels from args.h2 (cp.async through L2). The counters only grow (a fixed number
+//     of increments per group and launch: the generation is old / that number), so replays need no reset.
 //   - Squeeze-excite per warp (image, 32 channels): channel sums over lanes, fc1's partial sums over the CTA's 64
 //     channels to args.partials, the same counter handshake, the 4 ranks' sums in rank order 0..3 (the same bits in
 //     every CTA), ReLU, the warp's 32 gates, the join y = relu(o * gate + identity) and a_next = T(y + next_b1a).
