@@ -143,6 +143,7 @@ cudaError_t launch_fused_down_block_wgmma(const FusedDownBlockArgs& args, ConvDT
 size_t fused_down_block_group_smem_bytes(int in_planes, int planes, int hidden, int h, int w, int cc_major,
                                          int cc_minor);
 int fused_down_block_groups(int n);
+int fused_down_block_group_ranks(int in_planes, int planes, int hidden);  // 4 for its shape, else 0
 cudaError_t launch_fused_down_block_group_wgmma(const FusedDownBlockArgs& args, ConvDType dtype, cudaStream_t stream);
 
 }  // namespace kfuse::kernels

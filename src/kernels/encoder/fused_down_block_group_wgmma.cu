@@ -541,6 +541,10 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 int fused_down_block_groups(int n) { return (n + kImages - 1) / kImages; }
 
+int fused_down_block_group_ranks(int in_planes, int planes, int hidden) {
+  return in_planes == kCin && planes == kP && hidden == kHidden ? kRanks : 0;
+}
+
 size_t fused_down_block_group_smem_bytes(int in_planes, int planes, int hidden, int h, int w, int cc_major,
                                            int cc_minor) {
   return in_planes == kCin && planes == kP && hidden == kHidden && h == 2 * kOutW && w == 2 * kOutW &&

@@ -415,8 +415,7 @@ size_t fused_down_block_smem_bytes(int in_planes, int planes, int hidden, int h,
 
 int fused_down_block_filter_ranks(int in_planes, int planes, int hidden) {
   if (in_planes == kCin && planes == kP && hidden == kHidden) return 1;
-  if (in_planes == 128 && planes == 256 && hidden == 16) return 4;  // fused_down_block_group_wgmma.cu
-  return 0;
+  return fused_down_block_group_ranks(in_planes, planes, hidden);
 }
 
 cudaError_t launch_fused_down_block_wgmma(const FusedDownBlockArgs& p, ConvDType dtype, cudaStream_t stream) {
