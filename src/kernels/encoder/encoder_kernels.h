@@ -139,11 +139,13 @@ size_t fused_down_block_smem_bytes(int in_planes, int planes, int hidden, int h,
 int fused_down_block_filter_ranks(int in_planes, int planes, int hidden);
 // Launches the kernel of args' shape.
 cudaError_t launch_fused_down_block_wgmma(const FusedDownBlockArgs& args, ConvDType dtype, cudaStream_t stream);
-// The block-3 kernel itself (launch_fused_down_block_wgmma dispatches to it) and its groups of 4 images for n.
+// The block-3 kernel itself and its groups of 4 images for n. launch_fused_down_block_wgmma dispatches to it after
+// the checks both shapes share (device, shape, shared memory `smem`, the common arguments).
 size_t fused_down_block_group_smem_bytes(int in_planes, int planes, int hidden, int h, int w, int cc_major,
                                          int cc_minor);
 int fused_down_block_groups(int n);
 int fused_down_block_group_ranks(int in_planes, int planes, int hidden);  // 4 for its shape, else 0
-cudaError_t launch_fused_down_block_group_wgmma(const FusedDownBlockArgs& args, ConvDType dtype, cudaStream_t stream);
+cudaError_t launch_fused_down_block_group_wgmma(const FusedDownBlockArgs& args, ConvDType dtype, size_t smem,
+                                               cudaStream_t stream);
 
 }  // namespace kfuse::kernels

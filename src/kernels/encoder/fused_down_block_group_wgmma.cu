@@ -553,23 +553,14 @@ size_t fused_down_block_group_smem_bytes(int in_planes, int planes, int hidden, 
              : 0;
 }
 
-cudaError_t launch_fused_down_block_group_wgmma(const FusedDownBlockArgs& p, ConvDType dtype, cudaStream_t stream) {
-  int dev = 0, major = 0, minor = 0, optin = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (err != cudaSuccess) return err;
-  const size_t smem = fused_down_block_group_smem_bytes(p.in_planes, p.planes, p.hidden, p.h, p.w, major, minor);
-  if (smem == 0 || smem > size_t(optin) || p.n <= 0 || !p.a || !p.filters || !p.scalars || !p.fc1_w || !p.fc1_b ||
-      !p.fc2_w || !p.fc2_b || (!p.y && !p.a_next) || (p.a_next && !p.next_b1a) || !p.h2 || !p.partials || !p.sync)
+cudaError_t launch_fused_down_block_group_wgmma(const FusedDownBlockArgs& p, ConvDType dtype, size_t smem,
+                                               cudaStream_t stream) {
+  if (!p.h2 || !p.partials || !p.sync || !aligned16(p.h2) || !aligned16(p.partials) || !aligned16(p.fc1_w) ||
+      !aligned16(p.fc1_b) || !aligned16(p.fc2_w) || !aligned16(p.fc2_b))
     return cudaErrorInvalidValue;
-  const void* const pointers[] = {p.a, p.filters, p.y, p.a_next, p.fc1_w, p.fc1_b, p.fc2_w, p.fc2_b, p.h2, p.partials};
-  for (const void* ptr : pointers)
-    if (ptr && !aligned16(ptr)) return cudaErrorInvalidValue;
   const auto kernel = dtype == ConvDType::kF16 ? fused_down_block_group_kernel<__half, false>
                                                : fused_down_block_group_kernel<__nv_bfloat16, true>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   err = launch_kernel(kernel, dim3(fused_down_block_groups(p.n) * kRanks), dim3(kThreads), smem, stream, true, p);
   return err != cudaSuccess ? err : cudaGetLastError();

@@ -418,21 +418,22 @@ int fused_down_block_filter_ranks(int in_planes, int planes, int hidden) {
   return fused_down_block_group_ranks(in_planes, planes, hidden);
 }
 
+// Both shapes' checks here (the device, the shape, the arguments they share), then the kernel of the shape.
 cudaError_t launch_fused_down_block_wgmma(const FusedDownBlockArgs& p, ConvDType dtype, cudaStream_t stream) {
-  if (p.in_planes != kCin || p.planes != kP) return launch_fused_down_block_group_wgmma(p, dtype, stream);
   int dev = 0, major = 0, minor = 0, optin = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (err != cudaSuccess) return err;
-  const size_t smem = per_image_smem_bytes(p.in_planes, p.planes, p.hidden, p.h, p.w, major, minor);
+  const size_t smem = fused_down_block_smem_bytes(p.in_planes, p.planes, p.hidden, p.h, p.w, major, minor);
   if (smem == 0 || smem > size_t(optin) || p.n <= 0 || !p.a || !p.filters || !p.scalars || !p.fc1_w || !p.fc1_b ||
       !p.fc2_w || !p.fc2_b || (!p.y && !p.a_next) || (p.a_next && !p.next_b1a))
     return cudaErrorInvalidValue;
   const void* const pointers[] = {p.a, p.filters, p.y, p.a_next};
   for (const void* ptr : pointers)
     if (ptr && !aligned16(ptr)) return cudaErrorInvalidValue;
+  if (p.in_planes != kCin || p.planes != kP) return launch_fused_down_block_group_wgmma(p, dtype, smem, stream);
   const auto kernel = dtype == ConvDType::kF16 ? fused_down_block_wgmma_kernel<__half, false>
                                                : fused_down_block_wgmma_kernel<__nv_bfloat16, true>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
