@@ -50,4 +50,9 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) { ldsm_x4(r, smem_u32(p)); }
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) { ldsm_x4_trans(r, smem_u32(p)); }
 
+// Brings the 128-byte line of global address p into L1 (no register written: nothing for the compiler to sink).
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p) : "memory");
+}
+
 }  // namespace kfuse::kernels::ptx

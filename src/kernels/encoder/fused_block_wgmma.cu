@@ -21,7 +21,8 @@
 //     the 8 chunks of one pixel (one 128-byte global row) fall in 8 bank groups;
 //   - epilogues go through stmatrix.trans (the accumulator's 8 x 8 channel x pixel blocks land as the planes' 16-byte
 //     pixel chunks), then one coalesced pass per tensor: 16-byte global stores of h / h2 / v / the block output, h2
-//     written back over the image for conv2;
+//     written back over the image for conv2 (inference, with no stash to write, stores h2 straight from conv1's
+//     accumulators: no pass); the squeeze-excite's weights are prefetched into L1 while conv2 runs;
 //   - persistent: min(n, SMs) CTAs keep both filters (144 KB) resident and load the next image (cp.async, a second
 //     buffer) while the current one computes.
 //   - with FusedBlockArgs::stem set (inference, at most one image per CTA), the CTA computes the stem of its own image
@@ -112,8 +113,8 @@ __device__ __forceinline__ void load_image(uint32_t dst, const uint4* src) {
 
 // d = the 3x3 convolution of the image in `act` by the filter in `filt` for this warpgroup's half (act points at the
 // half's first column): 9 taps x 4 k16 steps of m64n128k16, issued back to back, then waited for.
-template <bool kBf16>
-__device__ __forceinline__ void conv3x3(float (&d)[64], uint32_t filt, uint32_t act) {
+template <bool kBf16, class During>
+__device__ __forceinline__ void conv3x3(float (&d)[64], uint32_t filt, uint32_t act, During during) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) d[i] = 0.f;
   const uint64_t da = smem_desc(filt, kTapPlane, 8 * 16), db = smem_desc(act, kPlane, kRowPitch);
@@ -125,6 +126,7 @@ __device__ __forceinline__ void conv3x3(float (&d)[64], uint32_t filt, uint32_t 
       wgmma_m64n128k16_ss<kBf16>(d, da + (((t * 8 + 2 * kk) * kTapPlane) >> 4),
                                  db + ((2 * kk * kPlane + ((t / 3) * kHaloW + t % 3) * 16) >> 4));
   ptx::wgmma_commit();
+  during();  // work of the calling thread while the MMAs run
   ptx::wgmma_wait<0>();
   hold(d);
 }
@@ -224,40 +226,63 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     fence_proxy_async();
     __syncthreads();
     if (it == 0) ptx::mbar_wait(ready1, 0);
-    conv3x3<kBf16>(d, filt1, buf + 8 * half * 16);
+    conv3x3<kBf16>(d, filt1, buf + 8 * half * 16, [] {});
     __syncthreads();  // both warpgroups are done reading the image: h goes over it
 
-    // conv1's FixUp: h = T(relu(acc + b1b)) into the planes, then one pass: h and h2 = h + b2a to global memory, h2
-    // back into the planes for conv2.
-    store_planes(buf + stsm_off, [&](int j, int cb) {
-      return pack2<T>(relu_keep_nan(d[4 * j + 2 * cb] + b1b), relu_keep_nan(d[4 * j + 2 * cb + 1] + b1b));
-    });
-    __syncthreads();
+    // conv1's FixUp: h = T(relu(acc + b1b)), h2 = T(h + b2a) (faithful where h > 0). Inference (no stash asked
+    // for) stores h2 straight from the accumulators; the training forward stores h, then one pass writes h and h2 to
+    // global memory and h2 back into the planes for conv2.
     const int64_t gimg = int64_t(img) * kPix * 8 + pass_g;
+    const bool stash = !kStem && (h_out || h2_out);  // the fused stem is inference only: no stash code there
+    if (!stash) {
+      const FaithfulPost post = faithful_post<T>(b2a);
+      store_planes(buf + stsm_off, [&](int j, int cb) {
+        return pack2_after_relu_t2<T>(relu_pack2<T>(d[4 * j + 2 * cb] + b1b, d[4 * j + 2 * cb + 1] + b1b), post);
+      });
+    } else {
+      store_planes(buf + stsm_off, [&](int j, int cb) {
+        return pack2<T>(relu_keep_nan(d[4 * j + 2 * cb] + b1b), relu_keep_nan(d[4 * j + 2 * cb + 1] + b1b));
+      });
+    }
     uint4 id8[kPassChunks];  // the identity, loaded while conv2 runs (the fused stem's is in shared memory)
     if constexpr (!kStem) {
 #pragma unroll
       for (int k = 0; k < kPassChunks; ++k) id8[k] = __ldg(idt + gimg + k * kPassPixels * 8);
     }
-    // All of this thread's chunks are loaded first: with two warps per scheduler, a load-convert-store chain per
-    // chunk would leave the pass waiting on each load in turn (the stores below are ordered after every load).
-    uint4 hv[kPassChunks];
+    if (stash) {
+      __syncthreads();
+      // All of this thread's chunks are loaded first: with two warps per scheduler, a load-convert-store chain per
+      // chunk would leave the pass waiting on each load in turn (the stores below are ordered after every load).
+      uint4 hv[kPassChunks];
 #pragma unroll
-    for (int k = 0; k < kPassChunks; ++k) hv[k] = lds128(buf + pass_off + k * kPassStride);
+      for (int k = 0; k < kPassChunks; ++k) hv[k] = lds128(buf + pass_off + k * kPassStride);
 #pragma unroll
-    for (int k = 0; k < kPassChunks; ++k) {
-      const int64_t o = gimg + k * kPassPixels * 8;
-      if (h_out) h_out[o] = hv[k];
-      float f[8];
-      unpack8<T>(hv[k], f);
-      const uint4 h2 = pack8_after_relu<T>(f, b2a);
-      if (h2_out) h2_out[o] = h2;
-      sts128(buf + pass_off + k * kPassStride, h2);
+      for (int k = 0; k < kPassChunks; ++k) {
+        const int64_t o = gimg + k * kPassPixels * 8;
+        if (h_out) h_out[o] = hv[k];
+        float f[8];
+        unpack8<T>(hv[k], f);
+        const uint4 h2 = pack8_after_relu<T>(f, b2a);
+        if (h2_out) h2_out[o] = h2;
+        sts128(buf + pass_off + k * kPassStride, h2);
+      }
     }
     fence_proxy_async();
     __syncthreads();
     if (it == 0) ptx::mbar_wait(ready2, 0);
-    conv3x3<kBf16>(d, filt2, buf + 8 * half * 16);
+    // The squeeze-excite's weights (2.3 KB, read after conv2 by every thread) into L1 while conv2's MMAs run: 18
+    // line prefetches instead of an L2 round trip after them. (Loads into registers here are sunk past the MMAs'
+    // wait by ptxas.)
+    conv3x3<kBf16>(d, filt2, buf + 8 * half * 16, [&] {
+      constexpr int kLines = kHidden * kP * 4 / 128;  // fc1_w and fc2_w: 8 lines each
+      if (tid < kLines) {
+        ptx::prefetch_l1(p.fc1_w + tid * 32);
+        ptx::prefetch_l1(p.fc2_w + tid * 32);
+      } else if (tid < kLines + 2) {
+        ptx::prefetch_l1(tid == kLines ? p.fc1_b : p.fc2_b);
+        if (tid == kLines + 1) ptx::prefetch_l1(p.fc2_b + 32);
+      }
+    });
 
     // conv2: v = T(acc), o = T(v * scale + b2b); the squeeze's per-channel sums of o over this thread's pixels, then
     // over the lanes of a channel (q), then (below) over the two halves: a fixed order.
@@ -288,46 +313,75 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     // sigmoid) for its pass chunks' channels: no serial phase, no more barriers.
     float gv[8];
     {
+      // Every weight load first (L1 hits after the prefetch above), then the arithmetic: written as one chain per
+      // gate, the compiler kept each gate's loads behind the previous gate's division.
+      float w1r[kHidden][2], b1r[kHidden], w2r[8][kHidden], b2r[8];
+#pragma unroll
+      for (int k = 0; k < kHidden; ++k) {
+        w1r[k][0] = __ldg(p.fc1_w + k * kP + lane);
+        w1r[k][1] = __ldg(p.fc1_w + k * kP + lane + 32);
+        b1r[k] = __ldg(p.fc1_b + k);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        b2r[e] = __ldg(p.fc2_b + 8 * c8 + e);
+#pragma unroll
+        for (int k = 0; k < kHidden; ++k) w2r[e][k] = __ldg(p.fc2_w + (8 * c8 + e) * kHidden + k);
+      }
       const float m0 = (part[lane] + part[kP + lane]) / float(kPix);
       const float m1 = (part[lane + 32] + part[kP + lane + 32]) / float(kPix);
       float hv[kHidden];
 #pragma unroll
       for (int k = 0; k < kHidden; ++k) {
-        float s = __ldg(p.fc1_w + k * kP + lane) * m0 + __ldg(p.fc1_w + k * kP + lane + 32) * m1;
+        float s = w1r[k][0] * m0 + w1r[k][1] * m1;
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        hv[k] = relu_keep_nan(s + __ldg(p.fc1_b + k));
+        hv[k] = relu_keep_nan(s + b1r[k]);
       }
+      float sv[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const int c = 8 * c8 + e;
-        float s = __ldg(p.fc2_b + c);
+        sv[e] = b2r[e];
 #pragma unroll
-        for (int k = 0; k < kHidden; ++k) s += __ldg(p.fc2_w + c * kHidden + k) * hv[k];
-        gv[e] = 1.f / (1.f + __expf(-s));
+        for (int k = 0; k < kHidden; ++k) sv[e] += w2r[e][k] * hv[k];
       }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) gv[e] = 1.f / (1.f + __expf(-sv[e]));
     }
     __syncthreads();  // v is in the planes
 
     // Excite and join: v to the stash; y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0).
+    // Pairwise (numeric.cuh's packed forms: the same values in fewer instructions).
+    const FaithfulPost next_post = faithful_post<T>(nb1a);
     auto join = [&](int k, const uint4& vk, const uint4& idk) {
       const int64_t o = gimg + k * kPassPixels * 8;
       if (v_out) v_out[o] = vk;
-      float f[8], idf[8], y[8];
-      unpack8<T>(vk, f);
-      unpack8<T>(idk, idf);
+      const uint32_t vw[4] = {vk.x, vk.y, vk.z, vk.w}, iw[4] = {idk.x, idk.y, idk.z, idk.w};
+      uint32_t yw[4], aw[4];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) y[e] = relu_keep_nan(fmaf(affine1<T>(f[e], scale, b2b), gv[e], idf[e]));
-      if (y_out) y_out[o] = pack8<T>(y);
-      if (a_next) a_next[o] = pack8_after_relu<T>(y, nb1a);
+      for (int u = 0; u < 4; ++u) {
+        const float2 v2 = pair_to_f2<T>(vw[u]), i2 = pair_to_f2<T>(iw[u]);
+        const float2 o2 = pair_to_f2<T>(pack2<T>(fmaf(v2.x, scale, b2b), fmaf(v2.y, scale, b2b)));  // affine1
+        const float y0 = relu_nan(fmaf(o2.x, gv[2 * u], i2.x)), y1 = relu_nan(fmaf(o2.y, gv[2 * u + 1], i2.y));
+        yw[u] = pack2<T>(y0, y1);
+        aw[u] = pack2_after_relu_f2<T>(y0, y1, next_post);
+      }
+      if (y_out) y_out[o] = make_uint4(yw[0], yw[1], yw[2], yw[3]);
+      if (a_next) a_next[o] = make_uint4(aw[0], aw[1], aw[2], aw[3]);
     };
     if constexpr (kStem) {
-      // Rolled, v and x read per chunk: unrolled, this pass is ~22 KB of straight-line code, which the fused stem's
-      // larger kernel no longer finds in the instruction cache (ncu: warps stalled on instruction fetch, 9 us
-      // instead of 2.4).
+      // Two chunks per iteration (independent chains for the two warps per scheduler), rolled: unrolled, this pass is
+      // ~22 KB of straight-line code, which the fused stem's larger kernel no longer finds in the instruction cache
+      // (ncu: warps stalled on instruction fetch, 9 us instead of 2.4).
+      static_assert(kPassChunks % 2 == 0, "pairs of chunks");
 #pragma unroll 1
-      for (int k = 0; k < kPassChunks; ++k)
-        join(k, lds128(buf + pass_off + k * kPassStride), lds128(xs_chunk(buf0 + kBufBytes, pix0 + k * kPassPixels, c8)));
+      for (int k = 0; k < kPassChunks; k += 2) {
+        const uint4 v0 = lds128(buf + pass_off + k * kPassStride), v1 = lds128(buf + pass_off + (k + 1) * kPassStride);
+        const uint4 x0 = lds128(xs_chunk(buf0 + kBufBytes, pix0 + k * kPassPixels, c8));
+        const uint4 x1 = lds128(xs_chunk(buf0 + kBufBytes, pix0 + (k + 1) * kPassPixels, c8));
+        join(k, v0, x0);
+        join(k + 1, v1, x1);
+      }
     } else {
       uint4 vv[kPassChunks];
 #pragma unroll

@@ -1,9 +1,11 @@
 // Conversions between the network's storage types (fp16, bf16) and fp32 (single values, packed pairs and 16-byte
 // vectors of 8), the m16n8k16 tensor-core product, and PyTorch's NaN-keeping ReLU, shared by the encoder's
-// hand-written kernels.
+// hand-written kernels. The rounding rules are host-callable too: tests/cpp/test_numeric_rules.cu checks the packed
+// forms against the scalar ones on the CPU.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include <cuda_bf16.h>
@@ -12,30 +14,39 @@
 namespace kfuse::kernels {
 
 template <class T>
-__device__ inline float to_f(T v);
+__host__ __device__ inline float to_f(T v);
 template <>
-__device__ inline float to_f<__half>(__half v) { return __half2float(v); }
+__host__ __device__ inline float to_f<__half>(__half v) { return __half2float(v); }
 template <>
-__device__ inline float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+__host__ __device__ inline float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 template <class T>
-__device__ inline T to_t(float v);
+__host__ __device__ inline T to_t(float v);
 template <>
-__device__ inline __half to_t<__half>(float v) { return __float2half_rn(v); }
+__host__ __device__ inline __half to_t<__half>(float v) { return __float2half_rn(v); }
 template <>
-__device__ inline __nv_bfloat16 to_t<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__host__ __device__ inline __nv_bfloat16 to_t<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // The low 16 bits of b as a T, in fp32.
 template <class T>
-__device__ __forceinline__ float bits_to_f(uint32_t b) {
+__host__ __device__ __forceinline__ float bits_to_f(uint32_t b) {
   if constexpr (std::is_same_v<T, __half>)
     return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
   else
-    return __uint_as_float((b & 0xffffu) << 16);  // bf16 -> fp32 is exact: the high half
+  {
+    const uint32_t u = (b & 0xffffu) << 16;  // bf16 -> fp32 is exact: the high half
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(u);
+#else
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+  }
 }
 
 template <class T>
-__device__ __forceinline__ uint32_t t_bits(T v) {
+__host__ __device__ __forceinline__ uint32_t t_bits(T v) {
   if constexpr (std::is_same_v<T, __half>)
     return __half_as_ushort(v);
   else
@@ -45,11 +56,11 @@ __device__ __forceinline__ uint32_t t_bits(T v) {
 // A packed pair of T (lo at the lower address) in fp32, and back: two round-to-nearest conversions (as to_t<T>) in
 // one cvt.rn.{f16,bf16}x2.
 template <class T>
-__device__ __forceinline__ float2 pair_to_f2(uint32_t bits) {
+__host__ __device__ __forceinline__ float2 pair_to_f2(uint32_t bits) {
   return make_float2(bits_to_f<T>(bits), bits_to_f<T>(bits >> 16));
 }
 template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+__host__ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   if constexpr (std::is_same_v<T, __half>) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&h);
@@ -61,7 +72,7 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 
 // 8 consecutive T of a 16-byte vector in fp32, and back.
 template <class T>
-__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
+__host__ __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -70,12 +81,12 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
   }
 }
 template <class T>
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+__host__ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
 }
 
 // The next value above `bits`, a finite 16-bit float of T (fp16 or bf16 bits; +-0 -> the smallest positive).
-__device__ __forceinline__ uint32_t next_up_bits(uint32_t bits) {
+__host__ __device__ __forceinline__ uint32_t next_up_bits(uint32_t bits) {
   if ((bits & 0x7fffu) == 0) return 1u;
   return (bits & 0x8000u) ? bits - 1 : bits + 1;
 }
@@ -85,23 +96,90 @@ __device__ __forceinline__ uint32_t next_up_bits(uint32_t bits) {
 // the ReLU's decision from the stored sum alone (fixup_epilogue.h does the same for conv1's h2 = relu(.) + b2a; the
 // squeeze-excite for the next block's a = relu(.) + b1a). post == 0 stores T(v): the decision is then T(v) > 0.
 template <class T>
-__device__ __forceinline__ uint32_t pack2_after_relu(float lo, float hi, float post) {
+__host__ __device__ __forceinline__ uint32_t pack2_after_relu(float lo, float hi, float post) {
   const uint32_t post_bits = t_bits<T>(to_t<T>(post));
   const float v[2] = {lo, hi};
   uint32_t out = 0;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     uint32_t b = t_bits<T>(to_t<T>(post + v[k]));
-    if (post != 0.0f && v[k] > 0.0f && b == post_bits) b = next_up_bits(b);
+    // Compared as values (+0 == -0), as fixup_epilogue.h does: a post below half of T's smallest subnormal stores as
+    // -0 or +0, and a positive v whose sum rounds to the other zero must be bumped too (stored > T(post) again).
+    if (post != 0.0f && v[k] > 0.0f && bits_to_f<T>(b) == bits_to_f<T>(post_bits)) b = next_up_bits(post_bits);
     out |= b << (16 * k);
   }
   return out;
 }
 // The same for 8 values as one 16-byte vector.
 template <class T>
-__device__ __forceinline__ uint4 pack8_after_relu(const float (&v)[8], float post) {
+__host__ __device__ __forceinline__ uint4 pack8_after_relu(const float (&v)[8], float post) {
   return make_uint4(pack2_after_relu<T>(v[0], v[1], post), pack2_after_relu<T>(v[2], v[3], post),
                     pack2_after_relu<T>(v[4], v[5], post), pack2_after_relu<T>(v[6], v[7], post));
+}
+
+// --- packed pairs -------------------------------------------------------------------------------------------------
+// The same rules as above, two values per instruction where the hardware has one. For the fused kernels' epilogues,
+// which run once per image as straight-line code on 8 warps per SM: there their instruction count is their time.
+
+// A packed pair of T as the intrinsics' pair type, and back.
+template <class T>
+using t2_of = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+template <class T>
+__host__ __device__ __forceinline__ t2_of<T> as_t2(uint32_t bits) {
+  t2_of<T> v;
+  memcpy(&v, &bits, 4);
+  return v;
+}
+template <class T>
+__host__ __device__ __forceinline__ uint32_t t2_bits(t2_of<T> v) {
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  return bits;
+}
+
+// PyTorch's NaN-keeping ReLU in one instruction (max.NaN: NaN if either operand is NaN).
+__host__ __device__ __forceinline__ float relu_nan(float v) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(v));
+  return r;
+#else
+  return v != v ? v : (v > 0.0f ? v : 0.0f);
+#endif
+}
+// pack2(relu_keep_nan(lo), relu_keep_nan(hi)) as the rounding, then the NaN-keeping ReLU of the pair (the same
+// values; a negative input may store -0 instead of +0).
+template <class T>
+__host__ __device__ __forceinline__ uint32_t relu_pack2(float lo, float hi) {
+  return t2_bits<T>(__hmax2_nan(as_t2<T>(pack2<T>(lo, hi)), as_t2<T>(0u)));
+}
+
+// pack2_after_relu's constants for `post`, both halves: T(post), the next value above it, and whether the rule
+// applies at all (post != 0).
+struct FaithfulPost {
+  float post;
+  uint32_t post2, up2, active;
+};
+template <class T>
+__host__ __device__ __forceinline__ FaithfulPost faithful_post(float post) {
+  const uint32_t b = t_bits<T>(to_t<T>(post)), up = next_up_bits(b);
+  return {post, b | (b << 16), up | (up << 16), post != 0.0f ? 0xffffffffu : 0u};
+}
+// pack2_after_relu(v.lo, v.hi, f.post) for a pair v of T (packed: the ReLU's rounded output).
+template <class T>
+__host__ __device__ __forceinline__ uint32_t pack2_after_relu_t2(uint32_t v, const FaithfulPost& f) {
+  const float2 vf = pair_to_f2<T>(v);
+  const uint32_t r = pack2<T>(f.post + vf.x, f.post + vf.y);
+  const uint32_t m = __heq2_mask(as_t2<T>(r), as_t2<T>(f.post2)) & __hgt2_mask(as_t2<T>(v), as_t2<T>(0u)) & f.active;
+  return (r & ~m) | (f.up2 & m);
+}
+// pack2_after_relu(lo, hi, f.post) for fp32 values.
+template <class T>
+__host__ __device__ __forceinline__ uint32_t pack2_after_relu_f2(float lo, float hi, const FaithfulPost& f) {
+  const uint32_t r = pack2<T>(f.post + lo, f.post + hi);
+  const uint32_t pos = (lo > 0.0f ? 0xffffu : 0u) | (hi > 0.0f ? 0xffff0000u : 0u);
+  const uint32_t m = __heq2_mask(as_t2<T>(r), as_t2<T>(f.post2)) & pos & f.active;
+  return (r & ~m) | (f.up2 & m);
 }
 
 // A raw convolution output v (in fp32) -> T(v * scale + shift), returned in fp32: one fp32 fma, one round-to-nearest
@@ -109,12 +187,12 @@ __device__ __forceinline__ uint4 pack8_after_relu(const float (&v)[8], float pos
 // pass over conv2's output; the squeeze-excite kernels, forward (fast and generic) and backward, use only this rule
 // (here or through affine8), so they all see the same o.
 template <class T>
-__device__ __forceinline__ float affine1(float v, float scale, float shift) {
+__host__ __device__ __forceinline__ float affine1(float v, float scale, float shift) {
   return to_f(to_t<T>(fmaf(v, scale, shift)));
 }
 // The same for a 16-byte vector of 8 T (pack8 rounds to nearest as to_t does).
 template <class T>
-__device__ __forceinline__ uint4 affine8(const uint4& v, float scale, float shift) {
+__host__ __device__ __forceinline__ uint4 affine8(const uint4& v, float scale, float shift) {
   float f[8];
   unpack8<T>(v, f);
 #pragma unroll
@@ -136,6 +214,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 }
 
 // torch.relu keeps NaN (fmaxf would turn it into 0).
-__device__ inline float relu_keep_nan(float v) { return v != v ? v : fmaxf(v, 0.f); }
+__host__ __device__ inline float relu_keep_nan(float v) { return v != v ? v : fmaxf(v, 0.f); }
 
 }  // namespace kfuse::kernels

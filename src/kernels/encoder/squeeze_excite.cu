@@ -102,13 +102,6 @@ __device__ __forceinline__ void reduce_scatter(const float (&v)[N], float (&out)
   }
 }
 
-// PyTorch's NaN-keeping ReLU in one instruction (max.NaN: NaN if either operand is NaN), for the fast kernels.
-__device__ __forceinline__ float relu_nan(float v) {
-  float r;
-  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(v));
-  return r;
-}
-
 // --- the fast kernels: shared geometry and phases ------------------------------------------------------------------
 //
 // G images per CTA, P in {64, 128, 256, 512}, hidden H = P / 16. Per CTA, o and the identity are [G*hw][P] of T
