@@ -46,6 +46,7 @@
 #include "kernels/encoder/encoder_kernels.h"
 #include "kernels/encoder/numeric.cuh"
 #include "kernels/encoder/stem_tile.cuh"
+#include "kernels/phase_stamps.cuh"
 #include "kernels/programmatic_launch.h"
 #include "kernels/shared_memory_ptx.cuh"
 #include "kernels/wgmma_ptx.cuh"
@@ -157,6 +158,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
   float* const part = reinterpret_cast<float*>(smem + 2 * kFilterBytes + 2 * kBufBytes);  // [2 halves][64]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wq = warp & 3, half = warp >> 2;
   const int g = lane >> 2, q = lane & 3;
+  KFUSE_PHASES(10);  // development builds only (phase_stamps.cuh)
+  KFUSE_STAMP(0, "start");
 
   // The filters are parameters, never written by the kernel before this one: both bulk copies start before the
   // programmatic wait; conv1 waits for its own only.
@@ -175,6 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
   __syncthreads();  // also publishes the barriers' initialization
   pdl_wait_for_predecessor();
   pdl_allow_successor();
+  KFUSE_STAMP(1, "wait");
 
   // This thread's chunks in the passes over an image: channel group c8 of pixels pix0 + 32 k.
   const int pix0 = tid >> 3, c8 = tid & 7;
@@ -202,6 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     load_image(buf0 + pass_off, a_in + int64_t(blockIdx.x) * kPix * 8 + pass_g);
   }
   cp_async_commit();
+  KFUSE_STAMP(2, "stem_or_load");
 
   const int mi = lane >> 3;
   const uint32_t stsm_off = (2 * wq + (mi & 1)) * kPlane + ((mi >> 1) + 1) * kRowPitch + (8 * half + (lane & 7) + 1) * 16;
@@ -226,7 +231,9 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     fence_proxy_async();
     __syncthreads();
     if (it == 0) ptx::mbar_wait(ready1, 0);
+    KFUSE_STAMP(3, "image");
     conv3x3<kBf16>(d, filt1, buf + 8 * half * 16, [] {});
+    KFUSE_STAMP(4, "conv1");
     __syncthreads();  // both warpgroups are done reading the image: h goes over it
 
     // conv1's FixUp: h = T(relu(acc + b1b)), h2 = T(h + b2a) (faithful where h > 0). Inference (no stash asked
@@ -270,6 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     fence_proxy_async();
     __syncthreads();
     if (it == 0) ptx::mbar_wait(ready2, 0);
+    KFUSE_STAMP(5, "epilogue");
     // The squeeze-excite's weights (2.3 KB, read after conv2 by every thread) into L1 while conv2's MMAs run: 18
     // line prefetches instead of an L2 round trip after them. (Loads into registers here are sunk past the MMAs'
     // wait by ptxas.)
@@ -283,6 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
         if (tid == kLines + 1) ptx::prefetch_l1(p.fc2_b + 32);
       }
     });
+    KFUSE_STAMP(6, "conv2");
 
     // conv2: v = T(acc), o = T(v * scale + b2b); the squeeze's per-channel sums of o over this thread's pixels, then
     // over the lanes of a channel (q), then (below) over the two halves: a fixed order.
@@ -308,6 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
       part[half * kP + 16 * wq + g + 8] = s1;
     }
     __syncthreads();  // the partial sums are in; both warpgroups are done reading h2: v goes over it
+    KFUSE_STAMP(7, "squeeze");
     store_planes(buf + stsm_off, [&](int j, int cb) { return vp[2 * j + cb]; });
     // fc1 + ReLU in every warp (the same bits everywhere: the same order), then each thread's 8 gates (fc2 +
     // sigmoid) for its pass chunks' channels: no serial phase, no more barriers.
@@ -349,6 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
       for (int e = 0; e < 8; ++e) gv[e] = 1.f / (1.f + __expf(-sv[e]));
     }
     __syncthreads();  // v is in the planes
+    KFUSE_STAMP(8, "fc");
 
     // Excite and join: v to the stash; y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0).
     // Pairwise (numeric.cuh's packed forms: the same values in fewer instructions).
@@ -390,6 +401,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
       for (int k = 0; k < kPassChunks; ++k) join(k, vv[k], id8[k]);
     }
     __syncthreads();  // the buffer is free for the image after next
+    KFUSE_STAMP(9, "join");
+    if (it == 0) KFUSE_PRINT_PHASES("block1");
   }
 #else
   // Compiled for another architecture: never launched (fused_block_wgmma_smem_bytes requires compute capability 9.0).
