@@ -97,9 +97,9 @@ void check_relu_pack2() {
 TEST(NumericRules, PackedReluMatchesScalarFp16) { check_relu_pack2<__half>(); }
 TEST(NumericRules, PackedReluMatchesScalarBf16) { check_relu_pack2<__nv_bfloat16>(); }
 
-// Block 1's conv1 epilogue both ways: h2 = T(T(relu(acc + b1b)) + b2a), faithful where h > 0, as the training
-// forward's pass computes it (pack2 of the ReLU, then pack8_after_relu of the stored h) and as inference computes it
-// from the accumulators (relu_pack2, then pack2_after_relu_t2).
+// conv1's epilogue both ways: h2 = T(T(relu(acc + b1b)) + b2a), faithful where h > 0, as block 1's training pass
+// computes it (pack2 of the ReLU, then pack8_after_relu of the stored h) and as the fused kernels compute it from the
+// accumulators (relu_post_pair).
 template <class T>
 void check_conv1_epilogue() {
   std::mt19937 rng(3);
@@ -112,7 +112,7 @@ void check_conv1_epilogue() {
         const uint32_t h = pack2<T>(relu_keep_nan(a0 + b1b), relu_keep_nan(a1 + b1b));
         const float2 hf = pair_to_f2<T>(h);
         const uint32_t pass = pack2_after_relu<T>(hf.x, hf.y, b2a);
-        const uint32_t direct = pack2_after_relu_t2<T>(relu_pack2<T>(a0 + b1b, a1 + b1b), f);
+        const uint32_t direct = relu_post_pair<T>(a0, a1, b1b, f);
         ASSERT_EQ(direct, pass) << "acc " << a0 << " / " << a1 << " b1b " << b1b << " b2a " << b2a;
       }
     }
@@ -120,6 +120,42 @@ void check_conv1_epilogue() {
 }
 TEST(NumericRules, Conv1EpilogueFromAccumulatorsMatchesPassFp16) { check_conv1_epilogue<__half>(); }
 TEST(NumericRules, Conv1EpilogueFromAccumulatorsMatchesPassBf16) { check_conv1_epilogue<__nv_bfloat16>(); }
+
+// The fused kernels' excite-and-join (excite_join8) against its scalar form: o = affine1(v), y = relu(o * g + id),
+// y as T, a = pack8_after_relu(y, post).
+template <class T>
+void check_excite_join8() {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> val(0.0f, 1.5f);
+  std::uniform_real_distribution<float> gate(0.0f, 1.0f);
+  for (const float post : posts()) {
+    const FaithfulPost f = faithful_post<T>(post);
+    for (int i = 0; i < 3000; ++i) {
+      float v[8], id[8], g[8];
+      for (int e = 0; e < 8; ++e) {
+        v[e] = val(rng), id[e] = val(rng) * (i % 7 ? 1.0f : 1.0e-7f), g[e] = gate(rng);
+        if (i % 11 == 0 && e == 3) id[e] = -v[e] * g[e];  // y near 0 from both sides
+      }
+      if (i == 5) v[1] = std::numeric_limits<float>::quiet_NaN();
+      const uint4 v8 = pack8<T>(v), id8 = pack8<T>(id);
+      const float scale = 0.75f, shift = -0.125f;
+      uint4 y8, a8;
+      excite_join8<T>(v8, id8, g, scale, shift, f, y8, a8);
+      float vf[8], idf[8], y[8];
+      unpack8<T>(v8, vf);
+      unpack8<T>(id8, idf);
+      for (int e = 0; e < 8; ++e) y[e] = relu_keep_nan(fmaf(affine1<T>(vf[e], scale, shift), g[e], idf[e]));
+      const uint4 ys = pack8<T>(y), as = pack8_after_relu<T>(y, post);
+      const uint32_t got[8] = {y8.x, y8.y, y8.z, y8.w, a8.x, a8.y, a8.z, a8.w};
+      const uint32_t want[8] = {ys.x, ys.y, ys.z, ys.w, as.x, as.y, as.z, as.w};
+      for (int w = 0; w < 8; ++w)
+        ASSERT_TRUE(same_t<T>(got[w] & 0xffffu, want[w] & 0xffffu) && same_t<T>(got[w] >> 16, want[w] >> 16))
+            << "post " << post << " case " << i << " word " << w << std::hex << ": " << got[w] << " vs " << want[w];
+    }
+  }
+}
+TEST(NumericRules, ExciteJoinMatchesScalarFp16) { check_excite_join8<__half>(); }
+TEST(NumericRules, ExciteJoinMatchesScalarBf16) { check_excite_join8<__nv_bfloat16>(); }
 
 }  // namespace
 }  // namespace kfuse::kernels

@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     if (!stash) {
       const FaithfulPost post = faithful_post<T>(b2a);
       store_planes(buf + stsm_off, [&](int j, int cb) {
-        return pack2_after_relu_t2<T>(relu_pack2<T>(d[4 * j + 2 * cb] + b1b, d[4 * j + 2 * cb + 1] + b1b), post);
+        return relu_post_pair<T>(d[4 * j + 2 * cb], d[4 * j + 2 * cb + 1], b1b, post);
       });
     } else {
       store_planes(buf + stsm_off, [&](int j, int cb) {
@@ -286,9 +286,10 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
       if (tid < kLines) {
         ptx::prefetch_l1(p.fc1_w + tid * 32);
         ptx::prefetch_l1(p.fc2_w + tid * 32);
-      } else if (tid < kLines + 2) {
-        ptx::prefetch_l1(tid == kLines ? p.fc1_b : p.fc2_b);
-        if (tid == kLines + 1) ptx::prefetch_l1(p.fc2_b + 32);
+      } else if (tid == kLines) {
+        ptx::prefetch_l1(p.fc1_b);
+      } else if (tid < kLines + 3) {
+        ptx::prefetch_l1(p.fc2_b + 32 * (tid - kLines - 1));  // fc2_b: 64 floats, 2 lines
       }
     });
     KFUSE_STAMP(6, "conv2");
@@ -362,23 +363,14 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
     KFUSE_STAMP(8, "fc");
 
     // Excite and join: v to the stash; y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0).
-    // Pairwise (numeric.cuh's packed forms: the same values in fewer instructions).
     const FaithfulPost next_post = faithful_post<T>(nb1a);
     auto join = [&](int k, const uint4& vk, const uint4& idk) {
       const int64_t o = gimg + k * kPassPixels * 8;
       if (v_out) v_out[o] = vk;
-      const uint32_t vw[4] = {vk.x, vk.y, vk.z, vk.w}, iw[4] = {idk.x, idk.y, idk.z, idk.w};
-      uint32_t yw[4], aw[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float2 v2 = pair_to_f2<T>(vw[u]), i2 = pair_to_f2<T>(iw[u]);
-        const float2 o2 = pair_to_f2<T>(pack2<T>(fmaf(v2.x, scale, b2b), fmaf(v2.y, scale, b2b)));  // affine1
-        const float y0 = relu_nan(fmaf(o2.x, gv[2 * u], i2.x)), y1 = relu_nan(fmaf(o2.y, gv[2 * u + 1], i2.y));
-        yw[u] = pack2<T>(y0, y1);
-        aw[u] = pack2_after_relu_f2<T>(y0, y1, next_post);
-      }
-      if (y_out) y_out[o] = make_uint4(yw[0], yw[1], yw[2], yw[3]);
-      if (a_next) a_next[o] = make_uint4(aw[0], aw[1], aw[2], aw[3]);
+      uint4 y8, a8;
+      excite_join8<T>(vk, idk, gv, scale, b2b, next_post, y8, a8);
+      if (y_out) y_out[o] = y8;
+      if (a_next) a_next[o] = a8;
     };
     if constexpr (kStem) {
       // Two chunks per iteration (independent chains for the two warps per scheduler), rolled: unrolled, this pass is

@@ -313,8 +313,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
   // each ran at half speed: 4.5 us for both): warpgroup 0 multiplies them with conv1's filter (chunks 1-9 of the
   // ring); warpgroup 1 then with the shortcut's 1x1 filter (its own buffer, the same on every tap: the pooled
   // shortcut is the sum over the taps / 9) while warpgroup 0 writes h2 and the group exchanges it.
-  const float b1b = __ldg(p.scalars + 1), b2a = __ldg(p.scalars + 2), scale = __ldg(p.scalars + 3),
-              b2b = __ldg(p.scalars + 4);
+  const float b1b = __ldg(p.scalars + 1), scale = __ldg(p.scalars + 3), b2b = __ldg(p.scalars + 4);
+  const FaithfulPost h2_post = faithful_post<T>(__ldg(p.scalars + 2));  // b2a
   auto conv1_row = [&](int t) {
     const int iy = 2 * oy + t / 3 - 1, ix = 2 * ox + t % 3 - 1;
     const uint32_t px = iy >= 0 && ix >= 0 ? img + (w4 * kInPix + iy * kInW + ix) * kImgPix : zero;
@@ -336,9 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
       uint32_t r[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const float2 hf = pair_to_f2<T>(pack2<T>(relu_keep_nan(acc[8 * jj + 2 * u] + b1b),
-                                                 relu_keep_nan(acc[8 * jj + 2 * u + 1] + b1b)));
-        r[u] = pack2_after_relu<T>(hf.x, hf.y, b2a);
+        r[u] = relu_post_pair<T>(acc[8 * jj + 2 * u], acc[8 * jj + 2 * u + 1], b1b, h2_post);
       }
       ptx::stsm_x4(h2 + row * kH2Pix + (((kPr / 8 * rank + cb) ^ (pl & 7)) << 4), r);
     }
@@ -512,21 +510,18 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
   // The join: the warp's image, 16 pixels x its 4 chunks; 4 lanes store one pixel's 64 bytes.
   const int image = image0 + w4;
   if (image >= p.n) return;
-  const float nb1a = p.a_next ? __ldg(p.next_b1a) : 0.f;
+  const FaithfulPost next_post = faithful_post<T>(p.a_next ? __ldg(p.next_b1a) : 0.f);
   uint4* const y_out = static_cast<uint4*>(p.y);
   uint4* const a_next = static_cast<uint4*>(p.a_next);
 #pragma unroll 1
   for (int k = 0; k < kOutPix * 4 / 32; ++k) {
     const int id = k * 32 + lane, px = id >> 2, j = id & 3, cb = 4 * wg + j, r = 16 * w4 + px;
-    float v[8], id8[8], y[8];
-    unpack8<T>(lds128(vt + r * kTilePix + ((cb ^ (px & 7)) << 4)), v);
-    unpack8<T>(lds128(idt + r * kTilePix + ((cb ^ (px & 7)) << 4)), id8);
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      y[e] = relu_keep_nan(fmaf(affine1<T>(v[e], scale, b2b), gates[8 * j + e], id8[e]));
+    uint4 y8, a8;
+    excite_join8<T>(lds128(vt + r * kTilePix + ((cb ^ (px & 7)) << 4)), lds128(idt + r * kTilePix + ((cb ^ (px & 7)) << 4)),
+                    gates + 8 * j, scale, b2b, next_post, y8, a8);
     const int64_t o = (int64_t(image) * kOutPix + px) * (kP / 8) + kPr / 8 * rank + cb;
-    if (y_out) y_out[o] = pack8<T>(y);
-    if (a_next) a_next[o] = pack8_after_relu<T>(y, nb1a);
+    if (y_out) y_out[o] = y8;
+    if (a_next) a_next[o] = a8;
   }
 #else
   // Compiled for another architecture: never launched (fused_down_block_group_smem_bytes requires compute

@@ -261,8 +261,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
 
   // Epilogues through stmatrix: the identity T(acc_sc) into its tile, h2 into the haloed image. Lane l addresses row
   // l % 8 of matrix l / 8: pixel 16 w4 + 8 (matrix & 1) + l % 8, channel block (8 wg + 2 jj + (matrix >> 1)).
-  const float b1b = __ldg(p.scalars + 1), b2a = __ldg(p.scalars + 2), scale = __ldg(p.scalars + 3),
-              b2b = __ldg(p.scalars + 4);
+  const float b1b = __ldg(p.scalars + 1), scale = __ldg(p.scalars + 3), b2b = __ldg(p.scalars + 4);
+  const FaithfulPost h2_post = faithful_post<T>(__ldg(p.scalars + 2));  // b2a
   const int mi = lane >> 3, pix_l = 16 * w4 + 8 * (mi & 1) + (lane & 7);
   const uint32_t h2_row = h2 + ((pix_l / kOutW + 1) * kH2W + pix_l % kOutW + 1) * 16;
 #pragma unroll
@@ -274,9 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
     ptx::stsm_x4(tile_chunk(idt, pix_l, cb), r);
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const float2 hf = pair_to_f2<T>(pack2<T>(relu_keep_nan(acc[8 * jj + 2 * u] + b1b),
-                                               relu_keep_nan(acc[8 * jj + 2 * u + 1] + b1b)));
-      r[u] = pack2_after_relu<T>(hf.x, hf.y, b2a);
+      r[u] = relu_post_pair<T>(acc[8 * jj + 2 * u], acc[8 * jj + 2 * u + 1], b1b, h2_post);
     }
     ptx::stsm_x4(h2_row + cb * kH2Plane, r);
   }
@@ -374,20 +372,18 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
   float gate[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) gate[e] = gates[8 * c16 + e];
-  const float nb1a = p.a_next ? __ldg(p.next_b1a) : 0.f;
+  const FaithfulPost next_post = faithful_post<T>(p.a_next ? __ldg(p.next_b1a) : 0.f);
   uint4* const y_out = static_cast<uint4*>(p.y);
   uint4* const a_next = static_cast<uint4*>(p.a_next);
 #pragma unroll
   for (int k = 0; k < kPix * 16 / kCompute; ++k) {
     const int pix = (tid >> 4) + k * (kCompute / 16);
-    float v[8], id[8], y[8];
-    unpack8<T>(lds128(tile_chunk(vt, pix, c16)), v);
-    unpack8<T>(lds128(tile_chunk(idt, pix, c16)), id);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) y[e] = relu_keep_nan(fmaf(affine1<T>(v[e], scale, b2b), gate[e], id[e]));
+    uint4 y8, a8;
+    excite_join8<T>(lds128(tile_chunk(vt, pix, c16)), lds128(tile_chunk(idt, pix, c16)), gate, scale, b2b, next_post,
+                    y8, a8);
     const int64_t o = (int64_t(image) * kPix + pix) * 16 + c16;
-    if (y_out) y_out[o] = pack8<T>(y);
-    if (a_next) a_next[o] = pack8_after_relu<T>(y, nb1a);
+    if (y_out) y_out[o] = y8;
+    if (a_next) a_next[o] = a8;
   }
 #else
   // Compiled for another architecture: never launched (fused_down_block_smem_bytes requires compute capability 9.0).

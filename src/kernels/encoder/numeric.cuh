@@ -182,6 +182,34 @@ __host__ __device__ __forceinline__ uint32_t pack2_after_relu_f2(float lo, float
   return (r & ~m) | (f.up2 & m);
 }
 
+// conv1's FixUp epilogue for a pair of accumulators, as the fused block kernels store conv2's input: h = T(relu(acc +
+// pre)), then T(h + post.post), faithful where h > 0 (the training forward's pass computes the same from stored h).
+template <class T>
+__host__ __device__ __forceinline__ uint32_t relu_post_pair(float acc0, float acc1, float pre, const FaithfulPost& post) {
+  return pack2_after_relu_t2<T>(relu_pack2<T>(acc0 + pre, acc1 + pre), post);
+}
+
+// The squeeze-excite's join of 8 channels, as the fused block kernels store it: o = T(v * scale + shift) (affine1's
+// rule), y = relu(o * gate + identity) as T, and the next block's a = T(y + post.post), faithful where y > 0
+// (pack2_after_relu's rule). v, identity: 16-byte vectors of 8 T; gate: the 8 channels' gates.
+template <class T>
+__host__ __device__ __forceinline__ void excite_join8(const uint4& v, const uint4& identity, const float* gate,
+                                                      float scale, float shift, const FaithfulPost& post, uint4& y,
+                                                      uint4& a_next) {
+  const uint32_t vw[4] = {v.x, v.y, v.z, v.w}, iw[4] = {identity.x, identity.y, identity.z, identity.w};
+  uint32_t yw[4], aw[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const float2 v2 = pair_to_f2<T>(vw[u]), i2 = pair_to_f2<T>(iw[u]);
+    const float2 o2 = pair_to_f2<T>(pack2<T>(fmaf(v2.x, scale, shift), fmaf(v2.y, scale, shift)));
+    const float y0 = relu_nan(fmaf(o2.x, gate[2 * u], i2.x)), y1 = relu_nan(fmaf(o2.y, gate[2 * u + 1], i2.y));
+    yw[u] = pack2<T>(y0, y1);
+    aw[u] = pack2_after_relu_f2<T>(y0, y1, post);
+  }
+  y = make_uint4(yw[0], yw[1], yw[2], yw[3]);
+  a_next = make_uint4(aw[0], aw[1], aw[2], aw[3]);
+}
+
 // A raw convolution output v (in fp32) -> T(v * scale + shift), returned in fp32: one fp32 fma, one round-to-nearest
 // to T. This is conv2's FixUp epilogue o = acc * scale + b2b as the training step's readers of o apply it instead of a
 // pass over conv2's output; the squeeze-excite kernels, forward (fast and generic) and backward, use only this rule
