@@ -111,6 +111,11 @@ class EncoderGpu {
   // blocks 2 and 3 of the default network at 64 x 64), unless the environment sets KFUSE_FUSED_DOWN=0 (none) or 2
   // (block 2's shape only) when the encoder is created.
   int down_block_count(int h, int w) const;
+  // How many downsampling blocks of the inference forward on h x w inputs run their shortcut (pool + 1x1), squeeze-
+  // excite and join as one Hopper cluster kernel after conv1 and conv2 (kernels::launch_shortcut_excite_cluster:
+  // 256 -> 512 channels at 4 x 4 input maps, i.e. block 4 of the default network at 64 x 64), unless the environment
+  // sets KFUSE_FUSED_TAIL=0 when the encoder is created.
+  int tail_block_count(int h, int w) const;
   // Whether the inference forward on n x C x h x w inputs computes the stem inside block 1's warpgroup-MMA kernel
   // (each CTA the stem of its own image: n at most the SM count), unless the environment sets KFUSE_FUSED_STEM=0
   // when the encoder is created.

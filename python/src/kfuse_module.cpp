@@ -387,6 +387,9 @@ NB_MODULE(_C, m) {
            "How many of those run as the Hopper warpgroup-MMA kernel (also in the training forward)")
       .def("down_block_count", &EncoderGpu::down_block_count, "h"_a, "w"_a,
            "How many downsampling blocks of the inference forward on h x w inputs run as one fused kernel each")
+      .def("tail_block_count", &EncoderGpu::tail_block_count, "h"_a, "w"_a,
+           "How many downsampling blocks of the inference forward on h x w inputs run shortcut, squeeze-excite and "
+           "join as one kernel")
       .def("stem_in_block", &EncoderGpu::stem_in_block, "n"_a, "h"_a, "w"_a,
            "Whether the inference forward on n x C x h x w inputs computes the stem inside block 1's kernel")
       .def("cudnn_fused_count", &EncoderGpu::cudnn_fused_count, "n"_a, "h"_a, "w"_a,

@@ -33,6 +33,7 @@ std::string capture_forward(EncoderGpu::Impl& m, const Geometry& g, const kernel
   out.graph = graph;
   out.stem = ends.stem;
   out.stem_in_block = ends.stem_in_block;
+  out.tail_fused = ends.tail_fused;
   out.tail = ends.tail;
   out.stem_args = stem;
   out.tail_args = tail;
@@ -85,6 +86,11 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
                 "KFUSE_FUSED_DOWN must be 0 (off), 1 (blocks 2 and 3) or 2 (block 2 only), got '", on, "'");
     m.fuse_down = on != "0";
     m.fuse_down_group = on == "1";
+  }
+  if (const char* v = std::getenv("KFUSE_FUSED_TAIL"); v && *v) {
+    const std::string on = v;
+    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_TAIL must be 0 (off) or 1, got '", on, "'");
+    m.fuse_tail = on == "1";
   }
   m.cc_major = info.major;
   m.cc_minor = info.minor;
@@ -165,6 +171,10 @@ int EncoderGpu::down_block_count(int h, int w) const {
   const Impl& m = *impl_;
   return count_blocks(m, h, w, [&](size_t i, int bh, int bw) { return m.down_block_applies(i, bh, bw); });
 }
+int EncoderGpu::tail_block_count(int h, int w) const {
+  const Impl& m = *impl_;
+  return count_blocks(m, h, w, [&](size_t i, int bh, int bw) { return m.tail_block_applies(i, bh, bw); });
+}
 bool EncoderGpu::stem_in_block(int n, int h, int w) const {
   const Impl& m = *impl_;
   KFUSE_CHECK(n >= 1, InvalidArgument, "stem_in_block: n must be >= 1, got ", n);
@@ -200,6 +210,7 @@ void EncoderGpu::set_weights(const EncoderParams<float>& params) {
     if (b.has_downsample) {
       const HostTensor<float>& wd = params.at(b.prefix + b.downsample_weight());
       hw.put_t(W.shortcut, b.stride > 1 ? pooled_shortcut_krsc(wd) : krsc(wd));
+      if (W.shortcut_kc != kNone) hw.put_t(W.shortcut_kc, krsc(wd));  // [planes][1][1][in_planes]
       if (W.down_stream != kNone) {
         const DownStreamOffsets o = down_stream_offsets(b);
         for (int r = 0; r < o.ranks; ++r) {
@@ -308,10 +319,18 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
   if (gr.tail_args.out_nchw != tail.out_nchw) {
     cudaKernelNodeParams p{};
     check_cuda(cudaGraphKernelNodeGetParams(gr.tail, &p), "cudaGraphKernelNodeGetParams");
-    auto* captured = static_cast<kernels::SqueezeExciteArgs*>(p.kernelParams[0]);
-    kernels::SqueezeExciteArgs patched = *captured;
-    patched.out_nchw = tail.out_nchw;
+    // The last block's squeeze-excite kernel, or the shortcut-excite kernel whose arguments begin with one.
+    kernels::SqueezeExciteArgs patched;
+    kernels::ShortcutExciteArgs patched_fused;
     void* args[] = {&patched};
+    if (gr.tail_fused) {
+      patched_fused = *static_cast<const kernels::ShortcutExciteArgs*>(p.kernelParams[0]);
+      patched_fused.se.out_nchw = tail.out_nchw;
+      args[0] = &patched_fused;
+    } else {
+      patched = *static_cast<const kernels::SqueezeExciteArgs*>(p.kernelParams[0]);
+      patched.out_nchw = tail.out_nchw;
+    }
     p.kernelParams = args;
     check_cuda(cudaGraphExecKernelNodeSetParams(gr.exec, gr.tail, &p), "cudaGraphExecKernelNodeSetParams");
     gr.tail_args.out_nchw = tail.out_nchw;

@@ -111,6 +111,7 @@ struct BlockWeights {  // byte offsets into the packed weights; kNone where the 
   size_t conv2_flip, conv1_flip;  // training only: data gradients of the stride-1 convs as forward convs
   size_t conv1_planes, conv2_planes;  // blocks of the warpgroup-MMA kernel's shape: its filter images (tap_planes)
   size_t down_stream;  // downsampling blocks of the fused kernel's shape: its filter stream (down_stream_offsets)
+  size_t shortcut_kc;  // blocks of the shortcut-excite kernel's shape: the 1x1 shortcut filter, [planes][in_planes]
 };
 // Whether a block has the shape of kernels::launch_fused_block / launch_fused_block_wgmma (64 -> 64 channels, stride
 // 1, the identity shortcut, hidden = 4; the image size and the device decide the rest).
@@ -122,6 +123,11 @@ inline bool fusable_block_shape(const EncoderConfig::Block& b) {
 inline bool fusable_down_block_shape(const EncoderConfig::Block& b) {
   return b.has_downsample && b.stride == 2 &&
          kernels::fused_down_block_filter_ranks(b.in_planes, b.planes, b.se_hidden) != 0;
+}
+// Whether a block has the shape of kernels::launch_shortcut_excite_cluster (block 4 of the default network: 256 -> 512
+// channels, stride 2, the pooled shortcut, hidden = 32).
+inline bool fusable_tail_shape(const EncoderConfig::Block& b) {
+  return b.has_downsample && kernels::shortcut_excite_cluster_shape(b.in_planes, b.planes, b.se_hidden, b.stride);
 }
 // That kernel's filter stream: `ranks` slices of planes / ranks output channels, one after the other, each the
 // shortcut's 1x1 filter, conv1's and conv2's as tap planes of those channels, contiguous (byte offsets of slice 0's
@@ -176,6 +182,7 @@ inline WeightLayout plan_weights(const EncoderConfig& config, const std::vector<
     L.blocks[i].conv1_planes = planes ? take(2 * size_t(b.planes) * 9 * b.in_planes) : kNone;
     L.blocks[i].conv2_planes = planes ? take(2 * size_t(b.planes) * 9 * b.planes) : kNone;
     L.blocks[i].down_stream = fusable_down_block_shape(b) ? take(down_stream_offsets(b).bytes) : kNone;
+    L.blocks[i].shortcut_kc = fusable_tail_shape(b) ? take(2 * size_t(b.planes) * b.in_planes) : kNone;
   }
   return L;
 }
@@ -225,6 +232,7 @@ struct Graph {
   cudaGraphExec_t exec = nullptr;
   cudaGraphNode_t stem = nullptr, tail = nullptr;
   bool stem_in_block = false;  // the stem node is block 1's kernel (its FusedBlockArgs::stem), not the stem kernel
+  bool tail_fused = false;     // the tail node is the shortcut-excite kernel (ShortcutExciteArgs), not the squeeze-excite
   kernels::StemArgs stem_args;
   kernels::SqueezeExciteArgs tail_args;
 };
@@ -275,6 +283,10 @@ struct EncoderGpu::Impl {
   // KFUSE_FUSED_DOWN (the A/B switch): 0 never, 2 block 2's shape only (one CTA per image), 1 (default) both.
   bool fuse_down = true;
   bool fuse_down_group = true;  // block 3's shape (a group of 4 CTAs per 4 images)
+  // Where it applies (Hopper, 4 x 4 input maps of block 4's shape), the last downsampling block's shortcut,
+  // squeeze-excite and join run as kernels::launch_shortcut_excite_cluster after its conv1 and conv2, instead of the
+  // shortcut convolution on a side branch and the squeeze-excite kernel. KFUSE_FUSED_TAIL=0: never (the A/B switch).
+  bool fuse_tail = true;
   int cc_major = 0, cc_minor = 0;
   size_t smem_optin = 0;  // the device's shared memory per block with opt-in
   std::map<Geometry, Activations> activations;
@@ -615,7 +627,8 @@ struct EncoderGpu::Impl {
       const bool fused = !training && (down_block_applies(i, h, w) || wgmma_block_applies(i, h, w) ||
                                        fused_block_applies(i, h, w));
       const auto probs = problems(b, g.n, h, w);
-      for (size_t j = 0; j < probs.size() && !fused; ++j)
+      const size_t convs = !training && tail_block_applies(i, h, w) ? 2 : probs.size();  // no shortcut conv there
+      for (size_t j = 0; j < convs && !fused; ++j)
         if (choose(probs[j], j == 0).is_library()) return true;
       h /= b.stride;
       w /= b.stride;
@@ -627,7 +640,7 @@ struct EncoderGpu::Impl {
   // (its only leaf), taken from the capture as they are launched.
   struct CapturedEnds {
     cudaGraphNode_t stem = nullptr, tail = nullptr;
-    bool stem_in_block = false;
+    bool stem_in_block = false, tail_fused = false;
   };
   // The node just captured on `stream` (null when it is not capturing or the last operation left several).
   static cudaGraphNode_t last_captured_node(cudaStream_t stream) {
@@ -664,6 +677,15 @@ struct EncoderGpu::Impl {
         kernels::fused_down_block_smem_bytes(b.in_planes, b.planes, b.se_hidden, h, w, cc_major, cc_minor);
     return smem != 0 && smem <= smem_optin;
   }
+  // Whether block i, whose input is h x w, runs its shortcut, squeeze-excite and join as the shortcut-excite cluster
+  // kernel in the inference forward.
+  bool tail_block_applies(size_t i, int h, int w) const {
+    if (!fuse_tail || bw[i].shortcut_kc == kNone) return false;
+    const auto& b = blocks[i];
+    const size_t smem = kernels::shortcut_excite_cluster_smem_bytes(b.in_planes, b.planes, b.se_hidden, b.stride, h,
+                                                                    w, cc_major, cc_minor);
+    return smem != 0 && smem <= smem_optin;
+  }
   bool fusable_block(size_t i) const { return fuse_blocks && i + 1 < blocks.size() && fusable_block_shape(blocks[i]); }
   // Whether the inference forward of geometry g computes the stem inside block 1's warpgroup-MMA kernel: that kernel
   // applies, and every CTA has at most one image (it stages the stem's weights in its second image buffer).
@@ -680,8 +702,10 @@ struct EncoderGpu::Impl {
   //
   // Programmatic dependent launch: every kernel after the stem that follows exactly one kfuse kernel on `stream`
   // launches early and waits on the device (the kernels keep the contract of kernels/programmatic_launch.h). Not the
-  // shortcut, which starts a side branch from an event, nor the squeeze-excite that joins it: a programmatic edge
-  // joins one kernel to the next in a stream, and an event wait has no kernel of its own.
+  // shortcut where it starts a side branch from an event, nor the squeeze-excite that joins it: a programmatic edge
+  // joins one kernel to the next in a stream, and an event wait has no kernel of its own. (The shortcut-excite
+  // kernel follows conv2 directly; the convolutions of its block keep the downsampling blocks' policy, unmeasured
+  // without the side branch.)
   void launch(const Geometry& g, Activations& act, const kernels::StemArgs& stem_args,
               kernels::SqueezeExciteArgs tail, cudaStream_t stream, CapturedEnds* ends = nullptr) {
     const bool stem_fused = stem_in_block(g, act.training);
@@ -759,7 +783,10 @@ struct EncoderGpu::Impl {
         w /= b.stride;
         continue;
       }
-      if (b.has_downsample) {  // fork: the shortcut needs only a[i], like conv1
+      // The shortcut inside the squeeze-excite's kernel (after conv2), or as a convolution on a side branch.
+      const bool tail_fused = !act.training && tail_block_applies(i, h, w);
+      const bool side_branch = b.has_downsample && !tail_fused;
+      if (side_branch) {  // fork: the shortcut needs only a[i], like conv1
         kernels::PdlScope off(false);
         ensure_side_stream();
         check_cuda(cudaEventRecord(fork_events[i], stream), "cudaEventRecord");
@@ -786,7 +813,7 @@ struct EncoderGpu::Impl {
         kernels::PdlScope conv2_scope(chain && (pdl_policy < 2 || !b.has_downsample));
         conv(probs[1], act.h2[i], W.conv2, act.o[i], e2, stream, false, act.training);
       }
-      if (b.has_downsample)  // join before the squeeze-excite, which reads the shortcut's output
+      if (side_branch)  // join before the squeeze-excite, which reads the shortcut's output
         check_cuda(cudaStreamWaitEvent(stream, join_events[i], 0), "cudaStreamWaitEvent");
 
       kernels::SqueezeExciteArgs se = tail;  // out_nchw / out_f32 are the tail's; cleared below for inner blocks
@@ -812,9 +839,21 @@ struct EncoderGpu::Impl {
         if (!blocks[i + 1].has_downsample) se.y = act.x[i + 1];
       }
       if (!act.y.empty() && act.y[i]) se.y = act.y[i];
-      {
+      if (tail_fused) {
+        kernels::ShortcutExciteArgs sa;
+        sa.se = se;
+        sa.se.identity = nullptr;
+        sa.a = act.a[i];
+        sa.shortcut = wptr(W.shortcut_kc);
+        sa.in_planes = b.in_planes, sa.h = h, sa.w = w;
+        kernels::PdlScope join(chain);  // conv2 just before it in the stream: no event between them
+        check_cuda(kernels::launch_shortcut_excite_cluster(sa, dtype, stream),
+                   "shortcut-excite cluster kernel (block " + std::to_string(i + 1) + ")");
+        if (ends) ends->tail_fused = true;
+      } else {
         kernels::PdlScope join(chain && !b.has_downsample);
         check_cuda(kernels::launch_squeeze_excite(se, dtype, stream), "squeeze-excite kernel");
+        if (ends) ends->tail_fused = false;
       }
       h /= b.stride;
       w /= b.stride;
