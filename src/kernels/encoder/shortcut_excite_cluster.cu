@@ -32,6 +32,7 @@
 
 #include "kernels/encoder/encoder_kernels.h"
 #include "kernels/encoder/numeric.cuh"
+#include "kernels/phase_stamps.cuh"
 #include "kernels/programmatic_launch.h"
 #include "kernels/shared_memory_ptx.cuh"
 #include "kernels/wgmma_ptx.cuh"
@@ -67,12 +68,6 @@ constexpr int kSmemBytes = kBarOff + 3 * 8;
 static_assert(kWscOff % 16 == 0 && kW1Off % 16 == 0 && kW2Off % 16 == 0 && kMeanOff % 16 == 0 && kHidOff % 16 == 0 &&
                   kIdtOff % 16 == 0 && kGateOff % 16 == 0 && kOOff % 16 == 0 && kBarOff % 8 == 0,
               "aligned regions");
-// Bytes each CTA receives per exchange (every CTA of the cluster sends its part, itself included), which its
-// mbarrier expects: 1. the pooled rows (8 x 4 x 256 T) and the means (8 x 512 fp32); 2. the hidden units (8 x 32
-// fp32) and its image's shortcut (4 x 512 fp32); 3. its image's gates (512 fp32).
-constexpr uint32_t kExchange1Bytes = kRows * kCin * 2 + kRanks * kP * 4;
-constexpr uint32_t kExchange2Bytes = kRanks * kHidden * 4 + kOutPix * kP * 4;
-constexpr uint32_t kExchange3Bytes = kP * 4;
 static_assert(kSmemBytes <= 113 * 1024, "two CTAs per SM");
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -81,6 +76,13 @@ static_assert(kSmemBytes <= 113 * 1024, "two CTAs per SM");
 
 #ifdef KFUSE_SHORTCUT_EXCITE_DEVICE
 using ptx::smem_u32;
+
+// Bytes each CTA receives per exchange (every CTA of the cluster sends its part, itself included), which its
+// mbarrier expects: 1. the pooled rows (8 x 4 x 256 T) and the means (8 x 512 fp32); 2. the hidden units (8 x 32
+// fp32) and its image's shortcut (4 x 512 fp32); 3. its image's gates (512 fp32).
+constexpr uint32_t kExchange1Bytes = kRows * kCin * 2 + kRanks * kP * 4;
+constexpr uint32_t kExchange2Bytes = kRanks * kHidden * 4 + kOutPix * kP * 4;
+constexpr uint32_t kExchange3Bytes = kP * 4;
 
 // Distributed shared memory and the cluster barrier (PTX ISA: mapa, st.shared::cluster, barrier.cluster).
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -184,6 +186,8 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
   const bool valid = image < se.n;
   const uint32_t base = smem_u32(smem);
   const uint32_t bar = base + kBarOff;  // exchange k's mbarrier: bar + 8 k
+  KFUSE_PHASES(8);  // development builds only (phase_stamps.cuh)
+  KFUSE_STAMP(0, "start");
   if (tid == 0) {
 #pragma unroll
     for (int k = 0; k < 3; ++k) ptx::mbar_init(bar + 8 * k, 1);
@@ -221,6 +225,7 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
 
   pdl_wait_for_predecessor();
   pdl_allow_successor();
+  KFUSE_STAMP(1, "wait");
 
   // This image's o: thread t holds output pixel t / 64, channels 8 (t % 64) .. (NHWC: vector t of the image).
   uint4 o8 = make_uint4(0, 0, 0, 0);
@@ -267,7 +272,9 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
     mean2 = make_float2((((v0.x + v1.x) + v2.x) + v3.x) / float(kOutPix), (((v0.y + v1.y) + v2.y) + v3.y) / float(kOutPix));
   }
 
+  KFUSE_STAMP(2, "load_pool_mean");
   cluster_wait();  // every CTA of the cluster has started
+  KFUSE_STAMP(3, "cluster_start");
   // Exchange 1: the pooled row (image `rank`, pixel t / 32) and the means into every CTA of the cluster.
   {
     const uint32_t pooled_at = base + kPooledOff + (rank * kOutPix + (tid >> 5)) * kTRow + (tid & 31) * 16;
@@ -282,6 +289,7 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
   ptx::cp_async_wait<0>();
   __syncthreads();          // this CTA's weight slices, from every thread's copies
   ptx::mbar_wait(bar, 0);  // 1: the pooled inputs and the means of all 8 images
+  KFUSE_STAMP(4, "exchange1");
 
   // fc1: warp w takes image w of the cluster, its 4 units (this CTA's slice); lane l columns 4 (l + 32 j) ...
   {
@@ -336,6 +344,7 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
       }
   }
   ptx::mbar_wait(bar + 8, 0);  // 2: the hidden units of all 8 images, this image's shortcut
+  KFUSE_STAMP(5, "fc1_shortcut");
 
   // fc2 + sigmoid: thread t, channel t % 64 of this CTA's slice, images 2 (t / 64) and 2 (t / 64) + 1.
   {
@@ -354,9 +363,12 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
     st_async(map_rank(gate_at, g0 + 1), 1.f / (1.f + __expf(-s1)), map_rank(bar + 16, g0 + 1));
   }
   ptx::mbar_wait(bar + 16, 0);  // 3: this image's gates
+  KFUSE_STAMP(6, "fc2");
   cluster_arrive_relaxed();     // everything for this CTA has arrived (the wait is at the end)
 
   if (valid) join<T>(p, smem, image, of);
+  KFUSE_STAMP(7, "join");
+  KFUSE_PRINT_PHASES("tail");
   cluster_wait();  // every CTA has all its data: no remote store in flight to or from this one
 #else
   // Compiled for another architecture: never launched (shortcut_excite_cluster_smem_bytes requires compute
