@@ -114,6 +114,16 @@ __device__ __forceinline__ void st_async(uint32_t addr, float a, uint32_t bar) {
                "r"(bar)
                : "memory");
 }
+// Waits for exchange `bar`'s phase `parity`, acquiring at cluster scope: the stores that completed it were issued by
+// the other CTAs (their complete_tx releases at cluster scope).
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 // The cluster barrier, relaxed: no ordering of memory, only "every thread of every CTA has arrived". Used twice: at
 // the start (every CTA has started, its mbarriers initialized: remote stores may go to it) and at the end (every CTA
 // has received everything: no store to a CTA that has exited, none in flight from one).
@@ -288,7 +298,7 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
   }
   ptx::cp_async_wait<0>();
   __syncthreads();          // this CTA's weight slices, from every thread's copies
-  ptx::mbar_wait(bar, 0);  // 1: the pooled inputs and the means of all 8 images
+  mbar_wait_cluster(bar, 0);  // 1: the pooled inputs and the means of all 8 images
   KFUSE_STAMP(4, "exchange1");
 
   // fc1: warp w takes image w of the cluster, its 4 units (this CTA's slice); lane l columns 4 (l + 32 j) ...
@@ -343,7 +353,7 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
                  map_rank(bar + 8, img));
       }
   }
-  ptx::mbar_wait(bar + 8, 0);  // 2: the hidden units of all 8 images, this image's shortcut
+  mbar_wait_cluster(bar + 8, 0);  // 2: the hidden units of all 8 images, this image's shortcut
   KFUSE_STAMP(5, "fc1_shortcut");
 
   // fc2 + sigmoid: thread t, channel t % 64 of this CTA's slice, images 2 (t / 64) and 2 (t / 64) + 1.
@@ -362,7 +372,7 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
     st_async(map_rank(gate_at, g0), 1.f / (1.f + __expf(-s0)), map_rank(bar + 16, g0));
     st_async(map_rank(gate_at, g0 + 1), 1.f / (1.f + __expf(-s1)), map_rank(bar + 16, g0 + 1));
   }
-  ptx::mbar_wait(bar + 16, 0);  // 3: this image's gates
+  mbar_wait_cluster(bar + 16, 0);  // 3: this image's gates
   KFUSE_STAMP(6, "fc2");
   cluster_arrive_relaxed();     // everything for this CTA has arrived (the wait is at the end)
 
