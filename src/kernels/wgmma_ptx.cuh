@@ -1,6 +1,7 @@
-// The Hopper (sm_90a) PTX wrappers the hand-written warpgroup-MMA kernels share (conv/wgrad_wgmma.cu,
-// encoder/fused_block_wgmma.cu): wgmma's fence / commit / wait, the proxy fence between generic shared-memory writes
-// and wgmma's reads, shared-memory matrix descriptors, mbarriers and stmatrix. Device-only, inline; include it only
+// The Hopper (sm_90a) PTX wrappers the hand-written warpgroup-MMA and cluster kernels share (conv/wgrad_wgmma.cu,
+// encoder/fused_block_wgmma.cu, encoder/shortcut_excite_cluster.cu ...): wgmma's fence / commit / wait, the proxy
+// fence between generic shared-memory writes and wgmma's reads, shared-memory matrix descriptors, mbarriers,
+// stmatrix, and clusters' distributed shared memory. Device-only, inline; include it only
 // from translation units compiled for sm_90a. Each kernel keeps its own MMA shape wrappers.
 #pragma once
 
@@ -51,14 +52,24 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Spins until the barrier's phase of the given parity has completed.
+// Spins until the barrier's phase of the given parity has completed. kCluster: acquiring at cluster scope, where
+// other CTAs' remote stores (st_async below) completed the phase; else at CTA scope (the default of try_wait).
+template <bool kCluster = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  if constexpr (kCluster)
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+  else
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
 }
 
 // One more arrival on the barrier that also expects `bytes` of asynchronous copies (bulk_copy_g2s) to complete.
@@ -73,6 +84,45 @@ __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uin
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
+
+// Thread block clusters: this CTA's rank, distributed shared memory and the cluster barrier (PTX ISA: mapa,
+// st.async, barrier.cluster).
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// The shared::cluster address of the same offset in CTA `rank`'s shared memory.
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+// Remote stores that count their bytes on the destination CTA's mbarrier (`bar`: its shared::cluster address, from
+// map_rank): the reader waits on its own barrier (mbar_wait<true>), with no cluster-wide barrier and no memory fence.
+// (A release arrive on the cluster barrier compiles to MEMBAR.ALL.GPU before it and an L1 invalidation after the wait:
+// PERF.md sessions 24 and 26.)
+__device__ __forceinline__ void st_async(uint32_t addr, const uint4& v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1,%2,%3,%4}, [%5];\n" ::"r"(addr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void st_async(uint32_t addr, float a, float b, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1,%2}, [%3];\n" ::"r"(addr),
+               "f"(a), "f"(b), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void st_async(uint32_t addr, float a, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(addr), "f"(a),
+               "r"(bar)
+               : "memory");
+}
+// The cluster barrier, relaxed: no ordering of memory, only "every thread of every CTA has arrived" (e.g. every CTA
+// has started, so that remote stores may go to it). Every thread of the CTA executes both.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
 
 // Four 8x8 16-bit matrices from registers (the mma accumulator fragment layout, packed in pairs) to shared memory,
 // each transposed: lane l gives the address of row l % 8 of matrix l / 8, which receives column l % 8 of the

@@ -190,6 +190,20 @@ def _hopper() -> bool:
     return torch.cuda.get_device_capability(0) == (9, 0)
 
 
+def _repeat_forward(engine, x, out_shape, out_dtype, stream, label, calls=3, new_input_last=False):
+    """engine.forward `calls` times (eager, then captured, then replayed), each into a new output poisoned with NaN
+    (a new address: the graph's tail is patched), the last one from a copy of x when new_input_last (the stem patched
+    too); asserts that all give the same bits and returns the first output."""
+    ys = []
+    for i in range(calls):
+        y = torch.full(out_shape, float("nan"), device="cuda", dtype=out_dtype)
+        engine.forward(x.clone() if new_input_last and i == calls - 1 else x, y, stream)
+        torch.cuda.synchronize()
+        ys.append(y)
+    assert all(torch.equal(ys[0], y) for y in ys[1:]), f"{label}: repeated forwards differ"
+    return ys[0]
+
+
 @pytest.mark.parametrize("precision", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n", [1, 7, 300])
 def test_wgmma_block_matches_float64_reference(make_reference, monkeypatch, precision, n):
@@ -210,14 +224,7 @@ def test_wgmma_block_matches_float64_reference(make_reference, monkeypatch, prec
         engine = _C.EncoderGpu(enc.config, precision, 0)
         engine.set_weights(params)
         assert engine.wgmma_block_count(64, 64) == (1 if on == "1" and _hopper() else 0), f"KFUSE_WGMMA_BLOCK={on}"
-        ys = []
-        for _ in range(2):
-            y = torch.full((n, 512, 2, 2), float("nan"), device="cuda", dtype=dtype)
-            engine.forward(xd, y, stream)
-            torch.cuda.synchronize()
-            ys.append(y)
-        assert torch.equal(ys[0], ys[1]), f"KFUSE_WGMMA_BLOCK={on}: not reproducible"
-        outs[on] = ys[0]
+        outs[on] = _repeat_forward(engine, xd, (n, 512, 2, 2), dtype, stream, f"KFUSE_WGMMA_BLOCK={on}", calls=2)
     y64 = reference64(ref, x)
     for on, y in outs.items():
         assert not torch.isnan(y).any(), f"KFUSE_WGMMA_BLOCK={on}"
@@ -230,8 +237,8 @@ def test_wgmma_block_matches_float64_reference(make_reference, monkeypatch, prec
 def test_fused_down_block_matches_float64_reference(make_reference, monkeypatch, precision, n, c):
     """Blocks 2 and 3 as one Hopper kernel each (pool + shortcut, conv1, conv2, squeeze-excite; block 2 one CTA per
     image, n = 300 runs three waves; block 3 a group of 4 CTAs per 4 images that exchange data through L2, n = 1 and 7
-    leave images of the last group empty, n = 300 has more groups than fit on the GPU at once): KFUSE_FUSED_DOWN=1 (both), 2 (block 2 only) and 0 (the separate kernels) against each other and
-    the float64 reference, outputs poisoned with NaN first; eager, captured and replayed, bit for bit. Elsewhere than
+    leave images of the last group empty, n = 300 has more groups than fit on the GPU at once): KFUSE_FUSED_DOWN=1
+    (both), 2 (block 2 only) and 0 (the separate kernels) against each other and the float64 reference, outputs poisoned with NaN first; eager, captured and replayed, bit for bit. Elsewhere than
     on compute capability 9.0, or at an image size whose block inputs are not 16 x 16 and 8 x 8, no kernel is chosen."""
     ref = make_reference(in_channels=c, seed=700 + n + c)
     enc = kfuse.ResNetEncoder.from_torch(ref)
@@ -248,14 +255,7 @@ def test_fused_down_block_matches_float64_reference(make_reference, monkeypatch,
         fused = {"0": 0, "2": 1, "1": 2}[on] if _hopper() else 0
         assert engine.down_block_count(64, 64) == fused, f"KFUSE_FUSED_DOWN={on}"
         assert engine.down_block_count(96, 96) == 0
-        ys = []
-        for _ in range(3):  # eager, captured, replayed
-            y = torch.full((n, 512, 2, 2), float("nan"), device="cuda", dtype=dtype)
-            engine.forward(xd, y, stream)
-            torch.cuda.synchronize()
-            ys.append(y)
-        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), f"KFUSE_FUSED_DOWN={on}: not reproducible"
-        outs[on] = ys[0]
+        outs[on] = _repeat_forward(engine, xd, (n, 512, 2, 2), dtype, stream, f"KFUSE_FUSED_DOWN={on}")
     y64 = reference64(ref, x)
     for on, y in outs.items():
         assert not torch.isnan(y).any(), f"KFUSE_FUSED_DOWN={on}"
@@ -290,14 +290,7 @@ def test_shortcut_excite_tail_matches_float64_reference(make_reference, monkeypa
         engine.set_weights(params)
         assert engine.tail_block_count(64, 64) == (1 if on == "1" and _hopper() else 0), f"KFUSE_FUSED_TAIL={on}"
         assert engine.tail_block_count(96, 96) == 0
-        ys = []
-        for _ in range(3):  # eager, captured, replayed
-            y = torch.full((n, 512, 2, 2), float("nan"), device="cuda", dtype=y_dtype)
-            engine.forward(xd, y, stream)
-            torch.cuda.synchronize()
-            ys.append(y)
-        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), f"KFUSE_FUSED_TAIL={on}: not reproducible"
-        outs[on] = ys[0]
+        outs[on] = _repeat_forward(engine, xd, (n, 512, 2, 2), y_dtype, stream, f"KFUSE_FUSED_TAIL={on}")
     y64 = reference64(ref, x)
     for on, y in outs.items():
         assert not torch.isnan(y).any(), f"KFUSE_FUSED_TAIL={on}"
@@ -382,14 +375,8 @@ def test_fused_stem_matches_stem_kernel(make_reference, monkeypatch, precision, 
             engine.set_input_affine(*enc._uint8_affine())
         assert engine.stem_in_block(n, 64, 64) == (on == "1" and _hopper()), f"KFUSE_FUSED_STEM={on}"
         assert not engine.stem_in_block(sms + 1, 64, 64)
-        ys = []
-        for i in range(3):  # eager, captured, replayed with another input address
-            y = torch.full((n, 512, 2, 2), float("nan"), device="cuda", dtype=dtype)
-            engine.forward(x.clone() if i == 2 else x, y, stream)
-            torch.cuda.synchronize()
-            ys.append(y)
-        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), f"KFUSE_FUSED_STEM={on}: replays differ"
-        outs[on] = ys[0]
+        outs[on] = _repeat_forward(engine, x, (n, 512, 2, 2), dtype, stream, f"KFUSE_FUSED_STEM={on}",
+                                   new_input_last=True)
     assert not torch.isnan(outs["1"]).any()
     assert torch.equal(outs["1"], outs["0"])
     assert rel_err(outs["1"], reference64(ref, x_ref)) <= TOL

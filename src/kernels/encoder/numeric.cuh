@@ -241,6 +241,14 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// acc + w . m over 4 lanes of fp32, in order (the squeeze-excite's fc layers).
+__device__ __forceinline__ float dot4(float4 w, float4 m, float acc) {
+  acc = fmaf(w.x, m.x, acc);
+  acc = fmaf(w.y, m.y, acc);
+  acc = fmaf(w.z, m.z, acc);
+  return fmaf(w.w, m.w, acc);
+}
+
 // torch.relu keeps NaN (fmaxf would turn it into 0).
 __host__ __device__ inline float relu_keep_nan(float v) { return v != v ? v : fmaxf(v, 0.f); }
 

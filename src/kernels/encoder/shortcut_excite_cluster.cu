@@ -75,7 +75,12 @@ static_assert(kSmemBytes <= 113 * 1024, "two CTAs per SM");
 #endif
 
 #ifdef KFUSE_SHORTCUT_EXCITE_DEVICE
+using ptx::cluster_arrive_relaxed;
+using ptx::cluster_rank;
+using ptx::cluster_wait;
+using ptx::map_rank;
 using ptx::smem_u32;
+using ptx::st_async;
 
 // Bytes each CTA receives per exchange (every CTA of the cluster sends its part, itself included), which its
 // mbarrier expects: 1. the pooled rows (8 x 4 x 256 T) and the means (8 x 512 fp32); 2. the hidden units (8 x 32
@@ -84,64 +89,11 @@ constexpr uint32_t kExchange1Bytes = kRows * kCin * 2 + kRanks * kP * 4;
 constexpr uint32_t kExchange2Bytes = kRanks * kHidden * 4 + kOutPix * kP * 4;
 constexpr uint32_t kExchange3Bytes = kP * 4;
 
-// Distributed shared memory and the cluster barrier (PTX ISA: mapa, st.shared::cluster, barrier.cluster).
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// The shared::cluster address of the same offset in CTA `rank`'s shared memory.
-__device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-// Remote stores that count their bytes on the destination CTA's mbarrier (`bar`: its shared::cluster address): the
-// reader waits on its own barrier, with no cluster-wide barrier and no memory fence. (A release arrive on the cluster
-// barrier compiles to MEMBAR.ALL.GPU before it and an L1 invalidation after the wait: PERF.md session 24.)
-__device__ __forceinline__ void st_async(uint32_t addr, const uint4& v, uint32_t bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1,%2,%3,%4}, [%5];\n" ::"r"(addr),
-               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
-               : "memory");
-}
-__device__ __forceinline__ void st_async(uint32_t addr, float a, float b, uint32_t bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1,%2}, [%3];\n" ::"r"(addr),
-               "f"(a), "f"(b), "r"(bar)
-               : "memory");
-}
-__device__ __forceinline__ void st_async(uint32_t addr, float a, uint32_t bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(addr), "f"(a),
-               "r"(bar)
-               : "memory");
-}
-// Waits for exchange `bar`'s phase `parity`, acquiring at cluster scope: the stores that completed it were issued by
-// the other CTAs (their complete_tx releases at cluster scope).
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// The cluster barrier, relaxed: no ordering of memory, only "every thread of every CTA has arrived". Used twice: at
-// the start (every CTA has started, its mbarriers initialized: remote stores may go to it) and at the end (every CTA
-// has received everything: no store to a CTA that has exited, none in flight from one).
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
-
-__device__ __forceinline__ float dot4(float4 w, float4 m, float acc) {
-  acc = fmaf(w.x, m.x, acc);
-  acc = fmaf(w.y, m.y, acc);
-  acc = fmaf(w.z, m.z, acc);
-  return fmaf(w.w, m.w, acc);
-}
 // The join of this CTA's image: y = relu(o * g + idt) for this thread's 8 channels (of: its o) of output pixel t / 64,
 // from the gates and the shortcut in shared memory, stored as the caller asks.
 template <class T>
-__device__ __forceinline__ void join(const ShortcutExciteArgs& p, unsigned char* smem, int image, const float (&of)[8]) {
+__device__ __forceinline__ void join(const ShortcutExciteArgs& p, unsigned char* smem, int image,
+                                     const float (&of)[8]) {
   const SqueezeExciteArgs& se = p.se;
   const int tid = threadIdx.x;
   const int px = tid / (kP / 8), c0 = 8 * (tid % (kP / 8));
@@ -239,7 +191,8 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
 
   // This image's o: thread t holds output pixel t / 64, channels 8 (t % 64) .. (NHWC: vector t of the image).
   uint4 o8 = make_uint4(0, 0, 0, 0);
-  if (valid) o8 = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(se.o) + size_t(image) * kOutPix * kP) + tid);
+  if (valid)
+    o8 = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(se.o) + size_t(image) * kOutPix * kP) + tid);
   if (se.o_scale) o8 = affine8<T>(o8, __ldg(se.o_scale), __ldg(se.o_shift));
   float of[8];
   unpack8<T>(o8, of);
@@ -279,7 +232,8 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
   {
     const float2* o2 = reinterpret_cast<const float2*>(smem + kOOff);
     const float2 v0 = o2[tid], v1 = o2[kP / 2 + tid], v2 = o2[kP + tid], v3 = o2[3 * kP / 2 + tid];
-    mean2 = make_float2((((v0.x + v1.x) + v2.x) + v3.x) / float(kOutPix), (((v0.y + v1.y) + v2.y) + v3.y) / float(kOutPix));
+    mean2 = make_float2((((v0.x + v1.x) + v2.x) + v3.x) / float(kOutPix),
+                        (((v0.y + v1.y) + v2.y) + v3.y) / float(kOutPix));
   }
 
   KFUSE_STAMP(2, "load_pool_mean");
@@ -298,7 +252,7 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
   }
   ptx::cp_async_wait<0>();
   __syncthreads();          // this CTA's weight slices, from every thread's copies
-  mbar_wait_cluster(bar, 0);  // 1: the pooled inputs and the means of all 8 images
+  ptx::mbar_wait<true>(bar, 0);  // 1: the pooled inputs and the means of all 8 images
   KFUSE_STAMP(4, "exchange1");
 
   // fc1: warp w takes image w of the cluster, its 4 units (this CTA's slice); lane l columns 4 (l + 32 j) ...
@@ -353,7 +307,7 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
                  map_rank(bar + 8, img));
       }
   }
-  mbar_wait_cluster(bar + 8, 0);  // 2: the hidden units of all 8 images, this image's shortcut
+  ptx::mbar_wait<true>(bar + 8, 0);  // 2: the hidden units of all 8 images, this image's shortcut
   KFUSE_STAMP(5, "fc1_shortcut");
 
   // fc2 + sigmoid: thread t, channel t % 64 of this CTA's slice, images 2 (t / 64) and 2 (t / 64) + 1.
@@ -372,7 +326,7 @@ __global__ void __cluster_dims__(kRanks, 1, 1) __launch_bounds__(kThreads)
     st_async(map_rank(gate_at, g0), 1.f / (1.f + __expf(-s0)), map_rank(bar + 16, g0));
     st_async(map_rank(gate_at, g0 + 1), 1.f / (1.f + __expf(-s1)), map_rank(bar + 16, g0 + 1));
   }
-  mbar_wait_cluster(bar + 16, 0);  // 3: this image's gates
+  ptx::mbar_wait<true>(bar + 16, 0);  // 3: this image's gates
   KFUSE_STAMP(6, "fc2");
   cluster_arrive_relaxed();     // everything for this CTA has arrived (the wait is at the end)
 

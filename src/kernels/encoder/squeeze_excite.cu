@@ -41,13 +41,6 @@ constexpr int kThreads = 1024;
 constexpr int kMaxVectorsPerThread = 2;      // fast kernel: o / identity vectors cached in registers per thread
 constexpr size_t kDefaultSmem = 48 * 1024;    // dynamic shared memory without the opt-in
 
-__device__ inline float dot4(float4 w, float4 m, float acc) {
-  acc = fmaf(w.x, m.x, acc);
-  acc = fmaf(w.y, m.y, acc);
-  acc = fmaf(w.z, m.z, acc);
-  return fmaf(w.w, m.w, acc);
-}
-
 // Lane-group reduce-scatter. The lanes that differ only in bits kOff, kOff/2, ..., 1 (a group of 2 kOff lanes) each
 // hold N values; value i is to be summed over the group. While a lane carries more than NOUT = max(1, N / (2 kOff))
 // values, each butterfly step halves them (the lane with the step's bit set keeps the upper half: one shuffle per value
