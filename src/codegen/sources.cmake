@@ -20,7 +20,6 @@ if(KFUSE_WITH_CUDA)
     codegen/driver_api.cpp
     runtime/mlp_gpu.cpp
     runtime/mlp_tuning.cpp)
-  # NVRTC and cuBLAS are host libraries that load without a driver; the weight gradients are cuBLAS GEMMs, and the
-  # dense convolutions (kernels/conv/dense_conv.h) cuBLAS or cuBLASLt ones.
-  set(KFUSE_CODEGEN_LIBS CUDA::nvrtc CUDA::cublas CUDA::cublasLt)
+  # NVRTC and cuBLAS are host libraries that load without a driver; the weight gradients are cuBLAS GEMMs.
+  set(KFUSE_CODEGEN_LIBS CUDA::nvrtc CUDA::cublas)
 endif()

@@ -61,16 +61,13 @@ int64_t tiles(const Conv2dProblem& p, ConvTile t) {
 
 std::string ConvConfig::name() const {
   if (is_cudnn()) return "cudnn_a" + std::to_string(cudnn_algo);
-  if (dense)
-    return std::string(unrolled ? "dense_unrolled" : "dense_gemm") +
-           (gemm_algo >= 0 ? "_lt" + std::to_string(gemm_algo) : "");
+  if (dense) return unrolled ? "dense_unrolled" : "dense_gemm";
   const std::string base = tile_info(tile).name;
   if (is_sm90_tile(tile)) return base;
   return base + (parallel ? "_p" : "_k") + std::to_string(split_k);
 }
 
 bool fixup_conv_can_implement(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype) {
-  if (c.dense && c.gemm_algo >= 0) return c.gemm_algo < kernels::dense_conv_gemm_algorithms(p, dtype);
   if (c.dense) return kernels::dense_conv_can_implement(p, dtype);  // K % 8 == 0 too: the epilogue pass's vectors
   if (c.parallel) return kernels::conv2d_fprop_fixup_parallel_can_implement(p, dtype, c.tile, c.split_k);
   if (!c.is_cudnn()) return kernels::conv2d_fprop_fixup_can_implement(p, dtype, c.tile, c.split_k);
@@ -98,8 +95,8 @@ cudaError_t run_fixup_conv(const ConvConfig& c, const Conv2dProblem& p, ConvDTyp
     return kernels::conv2d_fprop_fixup(p, dtype, c.tile, x, w, y, e, c.split_k, workspace, workspace_bytes, stream);
   const cudaError_t err =
       c.dense && c.unrolled
-          ? kernels::dense_conv_fprop_unrolled(p, dtype, x, w, y, workspace, workspace_bytes, stream, c.gemm_algo)
-      : c.dense ? kernels::dense_conv_fprop(p, dtype, x, w, y, workspace, workspace_bytes, stream, c.gemm_algo)
+          ? kernels::dense_conv_fprop_unrolled(p, dtype, x, w, y, workspace, workspace_bytes, stream)
+      : c.dense ? kernels::dense_conv_fprop(p, dtype, x, w, y, workspace, workspace_bytes, stream)
                 : kernels::cudnn_conv_fprop(p, dtype, c.cudnn_algo, x, w, y, workspace, workspace_bytes, stream);
   if (err != cudaSuccess || kernels::fixup_epilogue_is_identity(e)) return err;
   return kernels::fixup_epilogue_inplace(y, size_t(gemm_m(p)) * p.k, dtype, e, stream);
@@ -180,11 +177,6 @@ std::vector<ConvConfig> conv_candidates(const Conv2dProblem& p, ConvDType dtype,
   if (!out.empty()) add(dense);  // tiny images only (dense_conv_can_implement)
   dense.unrolled = true;
   if (!out.empty()) add(dense);
-  // cuBLASLt's ranked algorithms for the same GEMM (none without a device).
-  for (int i = 0; !out.empty() && i < kernels::dense_conv_gemm_algorithms(p, dtype); ++i) {
-    dense.gemm_algo = i;
-    add(dense);
-  }
   if (!out.empty()) {
     // Workspace capped (the encoder keeps two halves of the largest one): fast forward algorithms need little.
     constexpr size_t kMaxCudnnWorkspace = size_t(256) << 20;

@@ -28,10 +28,6 @@ struct ConvConfig {
   // With dense: the filter unrolled once ahead of time (prepare_conv_filter) rather than per call; run_fixup_conv
   // then takes the prepared filter as its `w`. The inference forward keeps one per weight set.
   bool unrolled = false;
-  // With dense: -1 cuBLAS's default GEMM; i >= 0 the i-th algorithm cuBLASLt's heuristic ranks for the shape
-  // (kernels::dense_conv_gemm_algorithms), so that the tuner times several (the default one is often not the
-  // fastest at these skinny shapes).
-  int gemm_algo = -1;
   // The same kernels taking the KRSC filter as it is (unrolled -> per call): for callers that keep no prepared filter.
   ConvConfig unprepared() const {
     ConvConfig c = *this;
@@ -41,10 +37,10 @@ struct ConvConfig {
   // Runs a library's launches (cuDNN's, cuBLAS's), which kfuse does not see: no programmatic launch next to them.
   bool is_library() const { return is_cudnn() || dense; }
   // e.g. "sm80_128x64_k2", "sm80_128x128_p8" (parallel), "sm90_128x64", "cudnn_a1", "dense_gemm",
-  // "dense_unrolled", "dense_unrolled_lt3": stable, they are the tuning cache's values.
+  // "dense_unrolled": stable, they are the tuning cache's values.
   std::string name() const;
   bool operator==(const ConvConfig& o) const {
-    return cudnn_algo == o.cudnn_algo && dense == o.dense && unrolled == o.unrolled && gemm_algo == o.gemm_algo &&
+    return cudnn_algo == o.cudnn_algo && dense == o.dense && unrolled == o.unrolled &&
            (is_cudnn() || dense || (tile == o.tile && split_k == o.split_k && parallel == o.parallel));
   }
 };

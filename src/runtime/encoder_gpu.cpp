@@ -92,13 +92,6 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
     KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_TAIL must be 0 (off) or 1, got '", on, "'");
     m.fuse_tail = on == "1";
   }
-  if (const char* v = std::getenv("KFUSE_SE_IMAGES"); v && *v) {
-    const std::string g = v;
-    KFUSE_CHECK(g == "0" || g == "1" || g == "2" || g == "4", InvalidArgument,
-                "KFUSE_SE_IMAGES must be 0 (by the batch's waves), 1, 2 or 4 (images per CTA of the 512-channel "
-                "squeeze-excite kernel), got '", g, "'");
-    m.se_images_per_cta = g[0] - '0';
-  }
   m.cc_major = info.major;
   m.cc_minor = info.minor;
   int optin = 0;

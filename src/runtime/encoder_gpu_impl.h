@@ -289,8 +289,6 @@ struct EncoderGpu::Impl {
   // H100 the cluster kernel took 10.8 us against the 4.9 us of the squeeze-excite it replaces (the shortcut runs beside
   // conv1 for free), 72.4 against 67.5 us per forward back to back (PERF.md session 27).
   bool fuse_tail = false;
-  // KFUSE_SE_IMAGES (the A/B switch): images per CTA of the 512-channel squeeze-excite kernel, 0 = by the waves.
-  int se_images_per_cta = 0;
   int cc_major = 0, cc_minor = 0;
   size_t smem_optin = 0;  // the device's shared memory per block with opt-in
   std::map<Geometry, Activations> activations;
@@ -829,7 +827,6 @@ struct EncoderGpu::Impl {
       se.hw = (h / b.stride) * (w / b.stride);
       se.p = b.planes;
       se.hidden = b.se_hidden;
-      se.images_per_cta = se_images_per_cta;
       se.w1 = fptr(W.fc1_w);
       se.b1 = fptr(W.fc1_b);
       se.w2 = fptr(W.fc2_w);

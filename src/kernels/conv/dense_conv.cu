@@ -1,18 +1,24 @@
-// Dense convolutions of small images (dense_conv.h): the filter unrolled by a gather kernel, one GEMM (dense_gemm.h), and
+// Dense convolutions of small images (dense_conv.h): the filter unrolled by a gather kernel, one cuBLAS GEMM, and
 // for the weight gradient a fold of the unrolled gradient back onto the filter's taps.
 #include "kernels/conv/dense_conv.h"
-#include "kernels/conv/dense_gemm.h"
+#include "kernels/conv/device_handle_cache.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <map>
+#include <mutex>
 
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 namespace kfuse::kernels {
 namespace {
 
+// cuBLAS's own workspace, carved from the end of the caller's (cublasSetWorkspace per call: the handle is shared by
+// the main and the side branch of a graph, and cuBLAS's default workspace would be shared with it).
+constexpr size_t kCublasWorkspace = size_t(8) << 20;
 constexpr size_t kMaxUnrolledBytes = size_t(256) << 20;
 
 size_t up256(size_t b) { return (b + 255) / 256 * 256; }
@@ -79,7 +85,35 @@ int grid_for(int64_t threads) {
   return int(std::min<int64_t>((threads + 255) / 256, 132 * 16));
 }
 
+std::mutex& handle_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// The current device's handle (created once, kept for the process), or null.
+cublasHandle_t handle_locked() {
+  static std::map<int, cublasHandle_t> handles;
+  return current_device_handle(handles, [](cublasHandle_t* h) { return cublasCreate(h) == CUBLAS_STATUS_SUCCESS; });
+}
+
 cudaDataType_t cuda_type(ConvDType t) { return t == ConvDType::kF16 ? CUDA_R_16F : CUDA_R_16BF; }
+
+// C = op(A) op(B) in cuBLAS's column-major terms, fp32 accumulation, on `stream` with `ws` as cuBLAS's workspace.
+cudaError_t gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* a,
+                 cudaDataType_t at, int64_t lda, const void* b, cudaDataType_t bt, int64_t ldb, void* c,
+                 cudaDataType_t ct, int64_t ldc, void* ws, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(handle_mutex());
+  cublasHandle_t h = handle_locked();
+  if (!h) return cudaErrorNotSupported;
+  if (cublasSetStream(h, stream) != CUBLAS_STATUS_SUCCESS ||
+      cublasSetWorkspace(h, ws, kCublasWorkspace) != CUBLAS_STATUS_SUCCESS)
+    return cudaErrorNotSupported;
+  const float alpha = 1.0f, beta = 0.0f;
+  const cublasStatus_t s =
+      cublasGemmEx(h, ta, tb, int(m), int(n), int(k), &alpha, a, at, int(lda), b, bt, int(ldb), &beta, c, ct,
+                   int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  return s == CUBLAS_STATUS_SUCCESS ? cudaGetLastError() : cudaErrorLaunchFailure;
+}
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
@@ -117,42 +151,35 @@ cudaError_t dense_conv_unroll_filter(const Conv2dProblem& p, ConvDType dtype, co
   return cudaGetLastError();
 }
 
-size_t dense_conv_fprop_unrolled_workspace_bytes(const Conv2dProblem&, ConvDType) { return kDenseGemmWorkspace; }
-
-int dense_conv_gemm_algorithms(const Conv2dProblem& p, ConvDType dtype) {
-  if (!dense_conv_can_implement(p, dtype)) return 0;
-  const Dims d = dims(p);
-  return dense_gemm_tn_algorithms(d.nd, p.n, d.kd, cuda_type(dtype));
-}
+size_t dense_conv_fprop_unrolled_workspace_bytes(const Conv2dProblem&, ConvDType) { return kCublasWorkspace; }
 
 cudaError_t dense_conv_fprop_unrolled(const Conv2dProblem& p, ConvDType dtype, const void* x, const void* wd, void* y,
-                                      void* workspace, size_t workspace_bytes, cudaStream_t stream, int algorithm) {
+                                      void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const size_t need = dense_conv_fprop_unrolled_workspace_bytes(p, dtype);
   if (!valid_args(p, dtype, {x, wd, y, workspace}, workspace_bytes, need)) return cudaErrorInvalidValue;
   const Dims d = dims(p);
   // Row-major y[n][nd] = x[n][kd] Wd^T, Wd row-major [nd][kd]: column-major y^T = op_T(Wd) x^T.
   const cudaDataType_t t = cuda_type(dtype);
-  if (algorithm >= 0) return dense_gemm_tn(algorithm, d.nd, p.n, d.kd, wd, x, y, t, workspace, stream);
-  return dense_gemm(true, false, d.nd, p.n, d.kd, wd, t, d.kd, x, t, d.kd, y, t, d.nd, workspace, stream);
+  return gemm(CUBLAS_OP_T, CUBLAS_OP_N, d.nd, p.n, d.kd, wd, t, d.kd, x, t, d.kd, y, t, d.nd, workspace, stream);
 }
 
 size_t dense_conv_fprop_workspace_bytes(const Conv2dProblem& p, ConvDType dtype) {
-  return dense_conv_unrolled_filter_bytes(p, dtype) + kDenseGemmWorkspace;
+  return dense_conv_unrolled_filter_bytes(p, dtype) + kCublasWorkspace;
 }
 
 cudaError_t dense_conv_fprop(const Conv2dProblem& p, ConvDType dtype, const void* x, const void* w, void* y,
-                             void* workspace, size_t workspace_bytes, cudaStream_t stream, int algorithm) {
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (!valid_args(p, dtype, {x, w, y, workspace}, workspace_bytes, dense_conv_fprop_workspace_bytes(p, dtype)))
     return cudaErrorInvalidValue;
   auto* wd = static_cast<uint8_t*>(workspace);
   const size_t wd_bytes = dense_conv_unrolled_filter_bytes(p, dtype);
   if (const cudaError_t e = dense_conv_unroll_filter(p, dtype, w, wd, stream); e != cudaSuccess) return e;
-  return dense_conv_fprop_unrolled(p, dtype, x, wd, y, wd + wd_bytes, workspace_bytes - wd_bytes, stream, algorithm);
+  return dense_conv_fprop_unrolled(p, dtype, x, wd, y, wd + wd_bytes, workspace_bytes - wd_bytes, stream);
 }
 
 size_t dense_conv_wgrad_workspace_bytes(const Conv2dProblem& p, ConvDType) {
   const Dims d = dims(p);
-  return up256(size_t(d.kd) * d.nd * 4) + kDenseGemmWorkspace;
+  return up256(size_t(d.kd) * d.nd * 4) + kCublasWorkspace;
 }
 
 cudaError_t dense_conv_wgrad(const Conv2dProblem& p, ConvDType dtype, const void* dy, const void* x, float* dw,
@@ -164,8 +191,8 @@ cudaError_t dense_conv_wgrad(const Conv2dProblem& p, ConvDType dtype, const void
   void* cublas_ws = static_cast<uint8_t*>(workspace) + up256(size_t(d.kd) * d.nd * 4);
   // Row-major dWd[nd][kd] = dy^T x (sum over the batch): column-major dWd^T = x^T op_T(dy^T).
   const cudaDataType_t t = cuda_type(dtype);
-  if (const cudaError_t e = dense_gemm(false, true, d.kd, d.nd, p.n, x, t, d.kd, dy, t, d.nd, dwd, CUDA_R_32F, d.kd,
-                                       cublas_ws, stream);
+  if (const cudaError_t e = gemm(CUBLAS_OP_N, CUBLAS_OP_T, d.kd, d.nd, p.n, x, t, d.kd, dy, t, d.nd, dwd, CUDA_R_32F,
+                                 d.kd, cublas_ws, stream);
       e != cudaSuccess)
     return e;
   fold_filter_kernel<<<grid_for(int64_t(p.k) * p.r * p.s * p.c / 4), 256, 0, stream>>>(

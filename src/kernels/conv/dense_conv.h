@@ -6,7 +6,7 @@
 // The encoder's last block (2x2 images, 3x3 filters, pad 1): every (po, q) pair is a real tap, 4 of each output's 9
 // taps: 2.25x fewer multiply-adds than the implicit GEMM (PERF.md session 10). Worth it where H * W <= R * S.
 //
-// GEMMs by cuBLAS or cuBLASLt (fp32 accumulation) on a per-device handle, each call with the caller's stream and workspace (two
+// GEMMs by cuBLAS (fp32 accumulation) on a per-device handle, each call with the caller's stream and workspace (two
 // streams of one graph may run dense convolutions at the same time). The unrolled filter is built in the workspace
 // per call (a gather, ~5 us for the 2048 x 2048 one).
 #pragma once
@@ -24,10 +24,10 @@ namespace kfuse::kernels {
 // multiples of 8, groups and dilation 1 (Conv2dProblem's), the unrolled filter within 256 MiB.
 bool dense_conv_can_implement(const Conv2dProblem& p, ConvDType dtype);
 
-// y (NHWC T, no epilogue) = conv(x, w); w KRSC T. algorithm: the GEMM's, as for dense_conv_fprop_unrolled below.
+// y (NHWC T, no epilogue) = conv(x, w); w KRSC T.
 size_t dense_conv_fprop_workspace_bytes(const Conv2dProblem& p, ConvDType dtype);
 cudaError_t dense_conv_fprop(const Conv2dProblem& p, ConvDType dtype, const void* x, const void* w, void* y,
-                             void* workspace, size_t workspace_bytes, cudaStream_t stream, int algorithm = -1);
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // The same from a filter unrolled ahead of time: dense_conv_fprop's gather (~5 us for the 2048 x 2048 filter, as long
 // as the GEMM itself at batch 128) done once per weight set by the caller (the inference forward keeps the unrolled
@@ -36,14 +36,9 @@ cudaError_t dense_conv_fprop(const Conv2dProblem& p, ConvDType dtype, const void
 size_t dense_conv_unrolled_filter_bytes(const Conv2dProblem& p, ConvDType dtype);
 cudaError_t dense_conv_unroll_filter(const Conv2dProblem& p, ConvDType dtype, const void* w, void* wd,
                                      cudaStream_t stream);
-// algorithm: -1 cuBLAS's default choice (cublasGemmEx); i >= 0 the i-th of the algorithms cuBLASLt's heuristic ranks
-// for the shape (dense_conv_gemm_algorithms of them on the current device: 0 without a device or cuBLASLt), which the
-// tuner times (cudaErrorNotSupported past the last).
 size_t dense_conv_fprop_unrolled_workspace_bytes(const Conv2dProblem& p, ConvDType dtype);
-int dense_conv_gemm_algorithms(const Conv2dProblem& p, ConvDType dtype);
 cudaError_t dense_conv_fprop_unrolled(const Conv2dProblem& p, ConvDType dtype, const void* x, const void* wd, void* y,
-                                      void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                                      int algorithm = -1);
+                                      void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // dw (KRSC fp32) = the weight gradient of y = conv(x, w) for dL/dy = dy (NHWC T).
 size_t dense_conv_wgrad_workspace_bytes(const Conv2dProblem& p, ConvDType dtype);

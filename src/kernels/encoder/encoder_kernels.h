@@ -53,9 +53,6 @@ struct SqueezeExciteArgs {
   void* a_next = nullptr;
   void* out_nchw = nullptr;
   bool out_f32 = false;
-  // Images per CTA of the 512-channel fast kernel (they share its fc weight loads): 0 chooses by the waves of the
-  // batch; 1, 2 or 4 force it (an A/B switch, KFUSE_SE_IMAGES); the kernel falls back to fewer when hw is too large.
-  int images_per_cta = 0;
 };
 cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& args, ConvDType dtype, cudaStream_t stream);
 

@@ -547,8 +547,7 @@ bool launch_fast(const SqueezeExciteArgs& a, cudaStream_t stream) {
     case 128: return launch_reg<T, 128, 1>(a, stream);
     case 256: return launch_reg<T, 256, 1>(a, stream);
     case 512: {
-      const int g = a.images_per_cta > 0 ? a.images_per_cta : images_per_cta_512(a.n, sm_count());
-      // each falls back to fewer images when hw is too large
+      const int g = images_per_cta_512(a.n, sm_count());  // each falls back to fewer images when hw is too large
       return (g >= 4 && launch_reg<T, 512, 4>(a, stream)) || (g >= 2 && launch_reg<T, 512, 2>(a, stream)) ||
              launch_reg<T, 512, 1>(a, stream);
     }
@@ -570,8 +569,7 @@ cudaError_t launch_typed(const SqueezeExciteArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& a, ConvDType dtype, cudaStream_t stream) {
   if (!a.o || !a.identity || !a.w1 || !a.b1 || !a.w2 || !a.b2 || a.n <= 0 || a.hw <= 0 || a.p % 8 || a.hidden <= 0 ||
-      (a.a_next && !a.next_b1a) || (!a.y && !a.a_next && !a.out_nchw) || (!a.o_scale != !a.o_shift) ||
-      (a.images_per_cta != 0 && a.images_per_cta != 1 && a.images_per_cta != 2 && a.images_per_cta != 4))
+      (a.a_next && !a.next_b1a) || (!a.y && !a.a_next && !a.out_nchw) || (!a.o_scale != !a.o_shift))
     return cudaErrorInvalidValue;
   return dtype == ConvDType::kF16 ? launch_typed<__half>(a, stream) : launch_typed<__nv_bfloat16>(a, stream);
 }
