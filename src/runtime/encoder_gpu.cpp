@@ -92,6 +92,12 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
     KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_TAIL must be 0 (off) or 1, got '", on, "'");
     m.fuse_tail = on == "1";
   }
+  if (const char* v = std::getenv("KFUSE_SE_WEIGHTS_T"); v && *v) {
+    const std::string on = v;
+    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_SE_WEIGHTS_T must be 0 (fp32 fc weights) or 1, got '",
+                on, "'");
+    m.se_weights_t = on == "1";
+  }
   m.cc_major = info.major;
   m.cc_minor = info.minor;
   int optin = 0;
@@ -226,6 +232,8 @@ void EncoderGpu::set_weights(const EncoderParams<float>& params) {
     hw.put_f32(W.fc1_b, params.at(b.prefix + "se.excite.0.bias").values());
     hw.put_f32(W.fc2_w, params.at(b.prefix + "se.excite.2.weight").values());
     hw.put_f32(W.fc2_b, params.at(b.prefix + "se.excite.2.bias").values());
+    hw.put_t(W.fc_t, params.at(b.prefix + "se.excite.0.weight").values());
+    hw.put_t(W.fc_t + fc2_t_offset(b), params.at(b.prefix + "se.excite.2.weight").values());
     hw.put_f32(W.scalars, {params.scalar(b.prefix + "fixup_bias1a"), params.scalar(b.prefix + "fixup_bias1b"),
                            params.scalar(b.prefix + "fixup_bias2a"), params.scalar(b.prefix + "fixup_scale"),
                            params.scalar(b.prefix + "fixup_bias2b")});

@@ -112,7 +112,11 @@ struct BlockWeights {  // byte offsets into the packed weights; kNone where the 
   size_t conv1_planes, conv2_planes;  // blocks of the warpgroup-MMA kernel's shape: its filter images (tap_planes)
   size_t down_stream;  // downsampling blocks of the fused kernel's shape: its filter stream (down_stream_offsets)
   size_t shortcut_kc;  // blocks of the shortcut-excite kernel's shape: the 1x1 shortcut filter, [planes][in_planes]
+  // The squeeze-excite's fc weights as T for the inference forward (kernels::SqueezeExciteArgs::w1_t, w2_t): fc1's
+  // [hidden][planes] at fc_t, fc2's [planes][hidden] right after it (fc_t + fc2_t_offset(b)).
+  size_t fc_t;
 };
+inline size_t fc2_t_offset(const EncoderConfig::Block& b) { return (2 * size_t(b.se_hidden) * b.planes + 15) / 16 * 16; }
 // Whether a block has the shape of kernels::launch_fused_block / launch_fused_block_wgmma (64 -> 64 channels, stride
 // 1, the identity shortcut, hidden = 4; the image size and the device decide the rest).
 inline bool fusable_block_shape(const EncoderConfig::Block& b) {
@@ -183,6 +187,7 @@ inline WeightLayout plan_weights(const EncoderConfig& config, const std::vector<
     L.blocks[i].conv2_planes = planes ? take(2 * size_t(b.planes) * 9 * b.planes) : kNone;
     L.blocks[i].down_stream = fusable_down_block_shape(b) ? take(down_stream_offsets(b).bytes) : kNone;
     L.blocks[i].shortcut_kc = fusable_tail_shape(b) ? take(2 * size_t(b.planes) * b.in_planes) : kNone;
+    L.blocks[i].fc_t = take(fc2_t_offset(b) + 2 * size_t(b.planes) * b.se_hidden);
   }
   return L;
 }
@@ -289,6 +294,9 @@ struct EncoderGpu::Impl {
   // H100 the cluster kernel took 10.8 us against the 4.9 us of the squeeze-excite it replaces (the shortcut runs beside
   // conv1 for free), 72.4 against 67.5 us per forward back to back (PERF.md session 27).
   bool fuse_tail = false;
+  // The inference forward's squeeze-excite kernels read the fc weights as T where they can (BlockWeights::fc_t).
+  // KFUSE_SE_WEIGHTS_T=0: always fp32 (the A/B switch).
+  bool se_weights_t = true;
   int cc_major = 0, cc_minor = 0;
   size_t smem_optin = 0;  // the device's shared memory per block with opt-in
   std::map<Geometry, Activations> activations;
@@ -831,6 +839,8 @@ struct EncoderGpu::Impl {
       se.b1 = fptr(W.fc1_b);
       se.w2 = fptr(W.fc2_w);
       se.b2 = fptr(W.fc2_b);
+      se.w1_t = se_weights_t && !act.training ? wptr(W.fc_t) : nullptr;  // the training step's gates stay fp32's
+      se.w2_t = se_weights_t && !act.training ? wptr(W.fc_t + fc2_t_offset(b)) : nullptr;
       se.y = nullptr;
       se.a_next = nullptr;
       se.next_b1a = nullptr;

@@ -443,6 +443,9 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
     add(src(b.prefix + "se.excite.0.bias"), W.fc1_b, H, PackKind::kCopyF32);
     add(src(b.prefix + "se.excite.2.weight"), W.fc2_w, int64_t(P) * H, PackKind::kCopyF32);
     add(src(b.prefix + "se.excite.2.bias"), W.fc2_b, P, PackKind::kCopyF32);
+    // The inference forward's T copies (BlockWeights::fc_t): [k][c] as a 1x1 KRSC filter is the same order.
+    add(src(b.prefix + "se.excite.0.weight"), W.fc_t, int64_t(H) * P, PackKind::kKrsc, H, P, 1, 1);
+    add(src(b.prefix + "se.excite.2.weight"), W.fc_t + fc2_t_offset(b), int64_t(P) * H, PackKind::kKrsc, P, H, 1, 1);
     const char* scalars[5] = {"fixup_bias1a", "fixup_bias1b", "fixup_bias2a", "fixup_scale", "fixup_bias2b"};
     for (int s = 0; s < 5; ++s) add(src(b.prefix + scalars[s]), W.scalars + 4 * s, 1, PackKind::kCopyF32);
   }

@@ -298,12 +298,44 @@ def test_shortcut_excite_tail_matches_float64_reference(make_reference, monkeypa
     assert rel_err(outs["1"], outs["0"].double()) <= TOL
 
 
-def test_fused_down_block_follows_new_weights(make_reference, monkeypatch):
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n", [7, 128, 300])
+def test_squeeze_excite_weights_as_t_match_float64_reference(make_reference, monkeypatch, precision, n):
+    """Block 4's squeeze-excite reads its fc weights as T at one image per CTA (n = 7, 128; n = 300 runs 4 images per
+    CTA from the fp32 weights): KFUSE_SE_WEIGHTS_T=1 against =0 and the float64 reference of an fp32 checkpoint
+    (whose fc weights T rounds), NaN-poisoned outputs, eager / captured / replayed bit for bit."""
+    monkeypatch.setenv("KFUSE_FUSED_TAIL", "0")
+    ref = make_reference(in_channels=3, seed=2100 + n)
+    enc = kfuse.ResNetEncoder.from_torch(ref)
+    params = [p.detach().float().contiguous() for p in enc.parameters()]
+    stream = torch.cuda.current_stream().cuda_stream
+    dtype = getattr(torch, precision)
+    x = torch.rand(n, 3, 64, 64, generator=torch.Generator().manual_seed(2200 + n))
+    xd = x.cuda().to(dtype)
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("KFUSE_SE_WEIGHTS_T", on)  # read when the engine is created
+        engine = _C.EncoderGpu(enc.config, precision, 0)
+        engine.set_weights(params)
+        outs[on] = _repeat_forward(engine, xd, (n, 512, 2, 2), dtype, stream, f"KFUSE_SE_WEIGHTS_T={on}")
+    y64 = reference64(ref, x)
+    for on, y in outs.items():
+        assert not torch.isnan(y).any(), f"KFUSE_SE_WEIGHTS_T={on}"
+        assert rel_err(y, y64) <= TOL, f"KFUSE_SE_WEIGHTS_T={on}"
+    if n == 300:  # four images per CTA: the fp32 weights either way
+        assert torch.equal(outs["1"], outs["0"])
+    else:
+        assert rel_err(outs["1"], outs["0"].double()) <= TOL
+
+
+@pytest.mark.parametrize("tail", ["0", "1"])
+def test_fused_down_block_follows_new_weights(make_reference, monkeypatch, tail):
     """The fused blocks 2 and 3 stream their filters from their own packed copy (block 3's in four output-channel
-    slices), block 4's shortcut-excite kernel its 1x1 filter: new weights through either path (set_weights from the
-    host, set_weights_device from device tensors) must reach them, in the same engine and its captured graph."""
+    slices), block 4's shortcut-excite kernel (KFUSE_FUSED_TAIL=1) its 1x1 filter, block 4's squeeze-excite kernel
+    (KFUSE_FUSED_TAIL=0) its fc weights as T: new weights through either path (set_weights from the host,
+    set_weights_device from device tensors) must reach them, in the same engine and its captured graph."""
     monkeypatch.setenv("KFUSE_FUSED_DOWN", "1")
-    monkeypatch.setenv("KFUSE_FUSED_TAIL", "1")  # block 4's 1x1 shortcut filter: a packed copy of its own too
+    monkeypatch.setenv("KFUSE_FUSED_TAIL", tail)
     refs = [make_reference(in_channels=3, seed=900 + k) for k in range(3)]
     encs = [kfuse.ResNetEncoder.from_torch(r) for r in refs]
     stream = torch.cuda.current_stream().cuda_stream
@@ -311,7 +343,7 @@ def test_fused_down_block_follows_new_weights(make_reference, monkeypatch):
     xd = x.cuda().half()
     engine = _C.EncoderGpu(encs[0].config, "float16", 0)
     engine.set_weights([p.detach().float().contiguous() for p in encs[0].parameters()])
-    assert engine.tail_block_count(64, 64) == (1 if _hopper() else 0)
+    assert engine.tail_block_count(64, 64) == (1 if _hopper() and tail == "1" else 0)
     for k in range(3):
         if k == 1:
             engine.set_weights([p.detach().float().contiguous() for p in encs[1].parameters()])

@@ -53,6 +53,11 @@ struct SqueezeExciteArgs {
   void* a_next = nullptr;
   void* out_nchw = nullptr;
   bool out_f32 = false;
+  // Optional: w1 and w2 again as T (the network's type; exact for an fp16 / bf16 module). Where set, the 512-channel
+  // fast kernel at one image per CTA reads these instead (its time follows the bytes per CTA: 64 instead of 128 KB
+  // of weights); other shapes and the generic kernel read w1 / w2. 16-byte aligned, else unused.
+  const void* w1_t = nullptr;
+  const void* w2_t = nullptr;
 };
 cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& args, ConvDType dtype, cudaStream_t stream);
 

@@ -20,7 +20,9 @@
 // 128 KB of weights per CTA) and, in the phases after them, shared-memory and shuffle instructions queued behind the
 // outstanding loads in the load/store pipe. (A variant that loaded everything by TMA bulk copy into shared memory was
 // no faster and was dropped.) At P = 512, once N needs several waves, G = 2 or 4 images share a CTA and its weight
-// loads. Anything else (other P, hidden != P/16, large hw, unaligned pointers) takes the generic kernel. No
+// loads. At one image per CTA and P = 512 the fc weights come as T where the caller has them (SqueezeExciteArgs::
+// w1_t, w2_t: 64 instead of 128 KB per CTA). Anything else (other P, hidden != P/16, large hw, unaligned pointers)
+// takes the generic kernel. No
 // floating-point atomics, fixed reduction orders: the same input gives the same bits.
 #include <atomic>
 #include <cstdint>
@@ -149,6 +151,20 @@ __device__ __forceinline__ void squeeze_means(const uint32_t* o_pairs, float* co
   }
 }
 
+// Four consecutive fc weights from `w` (fp32, or T when kWT) as one float4: element index 4 i.
+template <class T, bool kWT, bool kGlobal>
+__device__ __forceinline__ float4 load_w4(const void* w, int i) {
+  if constexpr (kWT) {
+    const uint2* p = static_cast<const uint2*>(w) + i;
+    const uint2 u = kGlobal ? __ldg(p) : *p;
+    const float2 lo = pair_to_f2<T>(u.x), hi = pair_to_f2<T>(u.y);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  } else {
+    const float4* p = static_cast<const float4*>(w) + i;
+    return kGlobal ? __ldg(p) : *p;
+  }
+}
+
 // fc1 + ReLU. Warp w < H holds row (w + rot) % H of w1, lane l the float4 columns l, l + 32, ... (conflict-free
 // reads of the means); all G images at once, one reduce-scatter over the warp.
 template <int P, int G>
@@ -174,36 +190,35 @@ __device__ __forceinline__ void fc1(const float4 (&w1r)[Geo<P, G>::S1], float b1
     hid[Gm::Scatter1::base(lane) * Gm::H + (warp + rot) % Gm::H] = relu_nan(h[0] + b1r);
 }
 
-// fc1's weights of this thread: row (warp + rot) % H of w1 (zeros for warps >= H).
-template <int P, int G, bool kGlobal>
-__device__ __forceinline__ void load_w1(const float* w1, const float* b1, float4 (&w1r)[Geo<P, G>::S1], float& b1r,
+// fc1's weights of this thread: row (warp + rot) % H of w1 (zeros for warps >= H); w1 fp32, or T when kWT.
+template <class T, int P, int G, bool kWT, bool kGlobal>
+__device__ __forceinline__ void load_w1(const void* w1, const float* b1, float4 (&w1r)[Geo<P, G>::S1], float& b1r,
                                         int rot) {
   using Gm = Geo<P, G>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool on = warp < Gm::H;
   const int j = (warp + rot) % Gm::H;
-  const float4* row = reinterpret_cast<const float4*>(w1 + (on ? j : 0) * P);
+  const int row4 = (on ? j : 0) * Gm::C4;
 #pragma unroll
   for (int s = 0; s < Gm::S1; ++s) {
     const int col4 = lane + 32 * s;
-    w1r[s] = on && (Gm::C4 % 32 == 0 || col4 < Gm::C4) ? (kGlobal ? __ldg(row + col4) : row[col4])
+    w1r[s] = on && (Gm::C4 % 32 == 0 || col4 < Gm::C4) ? load_w4<T, kWT, kGlobal>(w1, row4 + col4)
                                                          : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   b1r = on ? (kGlobal ? __ldg(b1 + j) : b1[j]) : 0.f;
 }
 
-// fc2's weights of this thread: float4s f = t + k kThreads of w2 (channel f / F2, columns 4 (t % F2) ...: contiguous
+// fc2's weights of this thread (w2 fp32, or T when kWT): float4s f = t + k kThreads of w2 (channel f / F2, columns 4 (t % F2) ...: contiguous
 // across the warp; t = the thread index with the warps rotated by rot), and b2 of the channels it will write (fc2).
-template <int P, int G, bool kGlobal>
-__device__ __forceinline__ void load_w2(const float* w2, const float* b2, float4 (&w2r)[Geo<P, G>::K2],
+template <class T, int P, int G, bool kWT, bool kGlobal>
+__device__ __forceinline__ void load_w2(const void* w2, const float* b2, float4 (&w2r)[Geo<P, G>::K2],
                                         float (&b2r)[Geo<P, G>::Scatter2::kOut], int rot) {
   using Gm = Geo<P, G>;
   const int t = (threadIdx.x + 32 * rot) & (kThreads - 1);  // whole warps rotated: lanes unchanged
 #pragma unroll
   for (int k = 0; k < Gm::K2; ++k) {
     const int f = t + k * kThreads;
-    const float4* p = reinterpret_cast<const float4*>(w2) + f;
-    w2r[k] = f < P * Gm::F2 ? (kGlobal ? __ldg(p) : *p) : make_float4(0.f, 0.f, 0.f, 0.f);
+    w2r[k] = f < P * Gm::F2 ? load_w4<T, kWT, kGlobal>(w2, f) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const int base2 = Gm::Scatter2::base(t & 31);
 #pragma unroll
@@ -332,7 +347,8 @@ __host__ __device__ inline RegLayout reg_layout(int hw, bool out_f32) {
 // V: o / identity vectors per thread, G * hw * P / 8 <= V * kThreads. Every thread issues all its loads up front:
 // o first; then, behind a barrier so that every warp's o requests are queued ahead of them (the squeeze waits for o
 // alone), its fc weights and its identity vectors. o and the identity stay in registers for the excite pass.
-template <class T, int P, int G, int V>
+// kWT: the fc weights come from w1_t / w2_t (T) instead of w1 / w2 (fp32).
+template <class T, int P, int G, int V, bool kWT>
 __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const SqueezeExciteArgs a) {
   using Gm = Geo<P, G>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -370,8 +386,8 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
   // The warps' weight rows are rotated by CTA (the sums do not depend on which warp computes them), so that the
   // CTAs, which all read the same weights, spread their requests over the L2 slices.
   const int rot = blockIdx.x & 31;
-  load_w1<P, G, true>(a.w1, a.b1, w1r, b1r, rot);
-  load_w2<P, G, true>(a.w2, a.b2, w2r, b2r, rot);
+  load_w1<T, P, G, kWT, true>(kWT ? a.w1_t : a.w1, a.b1, w1r, b1r, rot);
+  load_w2<T, P, G, kWT, true>(kWT ? a.w2_t : a.w2, a.b2, w2r, b2r, rot);
   const float nb1a = a.next_b1a ? __ldg(a.next_b1a) : 0.f;
 #pragma unroll
   for (int k = 0; k < V; ++k) {
@@ -522,7 +538,7 @@ int images_per_cta_512(int n, int sms) {
 }
 
 // Register-path fast kernel when its limits hold (<= 2 vectors per thread, default shared memory); false otherwise.
-template <class T, int P, int G>
+template <class T, int P, int G, bool kWT = false>
 bool launch_reg(const SqueezeExciteArgs& a, cudaStream_t stream) {
   const int64_t per_cta = int64_t(G) * a.hw * (P / 8);
   if (per_cta > int64_t(kMaxVectorsPerThread) * kThreads) return false;
@@ -530,9 +546,9 @@ bool launch_reg(const SqueezeExciteArgs& a, cudaStream_t stream) {
   if (smem > kDefaultSmem) return false;
   const int grid = (a.n + G - 1) / G;
   if (per_cta <= kThreads)
-    launch_kernel(squeeze_excite_reg_kernel<T, P, G, 1>, grid, kThreads, smem, stream, true, a);
+    launch_kernel(squeeze_excite_reg_kernel<T, P, G, 1, kWT>, grid, kThreads, smem, stream, true, a);
   else
-    launch_kernel(squeeze_excite_reg_kernel<T, P, G, 2>, grid, kThreads, smem, stream, true, a);
+    launch_kernel(squeeze_excite_reg_kernel<T, P, G, 2, kWT>, grid, kThreads, smem, stream, true, a);
   return true;  // a launch error stays for launch_typed's cudaGetLastError
 }
 
@@ -547,7 +563,12 @@ bool launch_fast(const SqueezeExciteArgs& a, cudaStream_t stream) {
     case 128: return launch_reg<T, 128, 1>(a, stream);
     case 256: return launch_reg<T, 256, 1>(a, stream);
     case 512: {
-      const int g = images_per_cta_512(a.n, sm_count());  // each falls back to fewer images when hw is too large
+      // One image per CTA with the weights in T where given (the inference forward at batch 128 and below: 128 KB
+      // of fp32 weights per CTA were most of that kernel's time); each falls back to fewer images when hw is too
+      // large.
+      const int g = images_per_cta_512(a.n, sm_count());
+      if (g == 1 && a.w1_t && a.w2_t && aligned16(a.w1_t) && aligned16(a.w2_t))
+        return launch_reg<T, 512, 1, true>(a, stream);
       return (g >= 4 && launch_reg<T, 512, 4>(a, stream)) || (g >= 2 && launch_reg<T, 512, 2>(a, stream)) ||
              launch_reg<T, 512, 1>(a, stream);
     }
