@@ -22,8 +22,7 @@
 // no faster and was dropped.) At P = 512, once N needs several waves, G = 2 or 4 images share a CTA and its weight
 // loads. At one image per CTA and P = 512 the fc weights come as T where the caller has them (SqueezeExciteArgs::
 // w1_t, w2_t: 64 instead of 128 KB per CTA). Anything else (other P, hidden != P/16, large hw, unaligned pointers)
-// takes the generic kernel. No
-// floating-point atomics, fixed reduction orders: the same input gives the same bits.
+// takes the generic kernel. No floating-point atomics, fixed reduction orders: the same input gives the same bits.
 #include <atomic>
 #include <cstdint>
 
@@ -208,8 +207,9 @@ __device__ __forceinline__ void load_w1(const void* w1, const float* b1, float4 
   b1r = on ? (kGlobal ? __ldg(b1 + j) : b1[j]) : 0.f;
 }
 
-// fc2's weights of this thread (w2 fp32, or T when kWT): float4s f = t + k kThreads of w2 (channel f / F2, columns 4 (t % F2) ...: contiguous
-// across the warp; t = the thread index with the warps rotated by rot), and b2 of the channels it will write (fc2).
+// fc2's weights of this thread (w2 fp32, or T when kWT): float4s f = t + k kThreads of w2 (channel f / F2, columns
+// 4 (t % F2) ...: contiguous across the warp; t = the thread index with the warps rotated by rot), and b2 of the
+// channels it will write (fc2).
 template <class T, int P, int G, bool kWT, bool kGlobal>
 __device__ __forceinline__ void load_w2(const void* w2, const float* b2, float4 (&w2r)[Geo<P, G>::K2],
                                         float (&b2r)[Geo<P, G>::Scatter2::kOut], int rot) {
