@@ -116,7 +116,9 @@ struct BlockWeights {  // byte offsets into the packed weights; kNone where the 
   // [hidden][planes] at fc_t, fc2's [planes][hidden] right after it (fc_t + fc2_t_offset(b)).
   size_t fc_t;
 };
-inline size_t fc2_t_offset(const EncoderConfig::Block& b) { return (2 * size_t(b.se_hidden) * b.planes + 15) / 16 * 16; }
+inline size_t fc2_t_offset(const EncoderConfig::Block& b) {
+  return (2 * size_t(b.se_hidden) * b.planes + 15) / 16 * 16;
+}
 // Whether a block has the shape of kernels::launch_fused_block / launch_fused_block_wgmma (64 -> 64 channels, stride
 // 1, the identity shortcut, hidden = 4; the image size and the device decide the rest).
 inline bool fusable_block_shape(const EncoderConfig::Block& b) {
