@@ -14,6 +14,17 @@ namespace kfuse {
 
 namespace {
 
+// An on/off A/B switch from the environment: unset or empty keeps `flag`; "0" or "1" sets it; anything else is an
+// error naming the variable (`off` says what 0 means).
+void read_switch(const char* name, const char* off, bool& flag) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return;
+  const std::string on = v;
+  KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, name, " must be 0 (", off, ") or 1, got '", on, "'");
+  flag = on == "1";
+}
+
+
 // Captures the forward for (g, stem, tail) as a graph into `out`, its stem and tail nodes found as they are
 // launched. Returns "" or why it failed.
 std::string capture_forward(EncoderGpu::Impl& m, const Geometry& g, const kernels::StemArgs& stem,
@@ -65,21 +76,9 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
                 "KFUSE_PDL must be 0 (off), 1, 2 or 3 (which kernel boundaries launch early), got '", policy, "'");
     if (policy != "0") m.pdl_policy = policy[0] - '0';
   }
-  if (const char* v = std::getenv("KFUSE_FUSED_BLOCK"); v && *v) {
-    const std::string on = v;
-    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_BLOCK must be 0 (off) or 1, got '", on, "'");
-    m.fuse_blocks = on == "1";
-  }
-  if (const char* v = std::getenv("KFUSE_FUSED_STEM"); v && *v) {
-    const std::string on = v;
-    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_STEM must be 0 (off) or 1, got '", on, "'");
-    m.fuse_stem = on == "1";
-  }
-  if (const char* v = std::getenv("KFUSE_WGMMA_BLOCK"); v && *v) {
-    const std::string on = v;
-    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_WGMMA_BLOCK must be 0 (off) or 1, got '", on, "'");
-    m.wgmma_blocks = on == "1";
-  }
+  read_switch("KFUSE_FUSED_BLOCK", "off", m.fuse_blocks);
+  read_switch("KFUSE_FUSED_STEM", "off", m.fuse_stem);
+  read_switch("KFUSE_WGMMA_BLOCK", "off", m.wgmma_blocks);
   if (const char* v = std::getenv("KFUSE_FUSED_DOWN"); v && *v) {
     const std::string on = v;
     KFUSE_CHECK(on == "0" || on == "1" || on == "2", InvalidArgument,
@@ -87,17 +86,8 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
     m.fuse_down = on != "0";
     m.fuse_down_group = on == "1";
   }
-  if (const char* v = std::getenv("KFUSE_FUSED_TAIL"); v && *v) {
-    const std::string on = v;
-    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_FUSED_TAIL must be 0 (off) or 1, got '", on, "'");
-    m.fuse_tail = on == "1";
-  }
-  if (const char* v = std::getenv("KFUSE_SE_WEIGHTS_T"); v && *v) {
-    const std::string on = v;
-    KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, "KFUSE_SE_WEIGHTS_T must be 0 (fp32 fc weights) or 1, got '",
-                on, "'");
-    m.se_weights_t = on == "1";
-  }
+  read_switch("KFUSE_FUSED_TAIL", "off", m.fuse_tail);
+  read_switch("KFUSE_SE_WEIGHTS_T", "fp32 fc weights", m.se_weights_t);
   m.cc_major = info.major;
   m.cc_minor = info.minor;
   int optin = 0;

@@ -168,21 +168,14 @@ def test_fused_block_matches_separate_kernels(make_reference, monkeypatch, preci
     fits = bh * bw <= 256 and (bh * bw) % 16 == 0 and (bh + 2) * (bw + 2) <= 640
     smem = 2 * 64 * 576 * 2 + (bh + 2) * (bw + 2) * 128 + 4 * (8 * 64 + 2 * (64 + 4) + 2 * 256)
     optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-    outs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("KFUSE_FUSED_BLOCK", on)  # read when the engine is created
-        engine = _C.EncoderGpu(enc.config, precision, 0)
-        engine.set_weights(params)
+
+    def chosen(engine, on):
         expected = 1 if on == "1" and fits and smem <= optin else 0
         assert engine.fused_block_count(h, w) == expected, f"KFUSE_FUSED_BLOCK={on}"
-        y = torch.full((n, 512, h // 32, w // 32), float("nan"), device="cuda", dtype=dtype)
-        engine.forward(xd, y, stream)
-        torch.cuda.synchronize()
-        outs[on] = y
-    y64 = reference64(ref, x)
-    for on, y in outs.items():
-        assert not torch.isnan(y).any(), f"KFUSE_FUSED_BLOCK={on}"
-        assert rel_err(y, y64) <= TOL, f"KFUSE_FUSED_BLOCK={on}"
+
+    outs = _forward_per_switch(monkeypatch, "KFUSE_FUSED_BLOCK", ("0", "1"), enc, precision, params, xd,
+                               (n, 512, h // 32, w // 32), dtype, stream, chosen, calls=1)
+    _assert_near_reference(outs, reference64(ref, x), "KFUSE_FUSED_BLOCK")
     assert rel_err(outs["1"], outs["0"].double()) <= TOL
 
 
@@ -204,6 +197,29 @@ def _repeat_forward(engine, x, out_shape, out_dtype, stream, label, calls=3, new
     return ys[0]
 
 
+def _forward_per_switch(monkeypatch, var, values, enc, precision, params, x, out_shape, out_dtype, stream,
+                        setup=None, **repeat):
+    """{value: output} for each value of the A/B switch `var` (read when the engine is created): a new engine per
+    value with `params`, setup(engine, value) (what the engine chose, asserted; extra configuration), then
+    _repeat_forward(**repeat)."""
+    outs = {}
+    for v in values:
+        monkeypatch.setenv(var, v)
+        engine = _C.EncoderGpu(enc.config, precision, 0)
+        engine.set_weights(params)
+        if setup:
+            setup(engine, v)
+        outs[v] = _repeat_forward(engine, x, out_shape, out_dtype, stream, f"{var}={v}", **repeat)
+    return outs
+
+
+def _assert_near_reference(outs, y64, var):
+    """Every output of _forward_per_switch written (no NaN left of the poison) and within TOL of the float64 one."""
+    for v, y in outs.items():
+        assert not torch.isnan(y).any(), f"{var}={v}"
+        assert rel_err(y, y64) <= TOL, f"{var}={v}"
+
+
 @pytest.mark.parametrize("precision", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n", [1, 7, 300])
 def test_wgmma_block_matches_float64_reference(make_reference, monkeypatch, precision, n):
@@ -218,17 +234,13 @@ def test_wgmma_block_matches_float64_reference(make_reference, monkeypatch, prec
     dtype = getattr(torch, precision)
     x = torch.rand(n, 3, 64, 64, generator=torch.Generator().manual_seed(n))
     xd = x.cuda().to(dtype)
-    outs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("KFUSE_WGMMA_BLOCK", on)  # read when the engine is created
-        engine = _C.EncoderGpu(enc.config, precision, 0)
-        engine.set_weights(params)
+
+    def chosen(engine, on):
         assert engine.wgmma_block_count(64, 64) == (1 if on == "1" and _hopper() else 0), f"KFUSE_WGMMA_BLOCK={on}"
-        outs[on] = _repeat_forward(engine, xd, (n, 512, 2, 2), dtype, stream, f"KFUSE_WGMMA_BLOCK={on}", calls=2)
-    y64 = reference64(ref, x)
-    for on, y in outs.items():
-        assert not torch.isnan(y).any(), f"KFUSE_WGMMA_BLOCK={on}"
-        assert rel_err(y, y64) <= TOL, f"KFUSE_WGMMA_BLOCK={on}"
+
+    outs = _forward_per_switch(monkeypatch, "KFUSE_WGMMA_BLOCK", ("0", "1"), enc, precision, params, xd,
+                               (n, 512, 2, 2), dtype, stream, chosen, calls=2)
+    _assert_near_reference(outs, reference64(ref, x), "KFUSE_WGMMA_BLOCK")
     assert rel_err(outs["1"], outs["0"].double()) <= TOL
 
 
@@ -247,19 +259,15 @@ def test_fused_down_block_matches_float64_reference(make_reference, monkeypatch,
     dtype = getattr(torch, precision)
     x = torch.rand(n, c, 64, 64, generator=torch.Generator().manual_seed(800 + n))
     xd = x.cuda().to(dtype)
-    outs = {}
-    for on in ("0", "2", "1"):
-        monkeypatch.setenv("KFUSE_FUSED_DOWN", on)  # read when the engine is created
-        engine = _C.EncoderGpu(enc.config, precision, 0)
-        engine.set_weights(params)
+
+    def chosen(engine, on):
         fused = {"0": 0, "2": 1, "1": 2}[on] if _hopper() else 0
         assert engine.down_block_count(64, 64) == fused, f"KFUSE_FUSED_DOWN={on}"
         assert engine.down_block_count(96, 96) == 0
-        outs[on] = _repeat_forward(engine, xd, (n, 512, 2, 2), dtype, stream, f"KFUSE_FUSED_DOWN={on}")
-    y64 = reference64(ref, x)
-    for on, y in outs.items():
-        assert not torch.isnan(y).any(), f"KFUSE_FUSED_DOWN={on}"
-        assert rel_err(y, y64) <= TOL, f"KFUSE_FUSED_DOWN={on}"
+
+    outs = _forward_per_switch(monkeypatch, "KFUSE_FUSED_DOWN", ("0", "2", "1"), enc, precision, params, xd,
+                               (n, 512, 2, 2), dtype, stream, chosen)
+    _assert_near_reference(outs, reference64(ref, x), "KFUSE_FUSED_DOWN")
     assert rel_err(outs["1"], outs["0"].double()) <= TOL
     assert rel_err(outs["1"], outs["2"].double()) <= TOL
 
@@ -283,18 +291,14 @@ def test_shortcut_excite_tail_matches_float64_reference(make_reference, monkeypa
     y_dtype = out_dtype or dtype
     x = torch.rand(n, c, 64, 64, generator=torch.Generator().manual_seed(1800 + n))
     xd = x.cuda().to(dtype)
-    outs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("KFUSE_FUSED_TAIL", on)  # read when the engine is created
-        engine = _C.EncoderGpu(enc.config, precision, 0)
-        engine.set_weights(params)
+
+    def chosen(engine, on):
         assert engine.tail_block_count(64, 64) == (1 if on == "1" and _hopper() else 0), f"KFUSE_FUSED_TAIL={on}"
         assert engine.tail_block_count(96, 96) == 0
-        outs[on] = _repeat_forward(engine, xd, (n, 512, 2, 2), y_dtype, stream, f"KFUSE_FUSED_TAIL={on}")
-    y64 = reference64(ref, x)
-    for on, y in outs.items():
-        assert not torch.isnan(y).any(), f"KFUSE_FUSED_TAIL={on}"
-        assert rel_err(y, y64) <= TOL, f"KFUSE_FUSED_TAIL={on}"
+
+    outs = _forward_per_switch(monkeypatch, "KFUSE_FUSED_TAIL", ("0", "1"), enc, precision, params, xd,
+                               (n, 512, 2, 2), y_dtype, stream, chosen)
+    _assert_near_reference(outs, reference64(ref, x), "KFUSE_FUSED_TAIL")
     assert rel_err(outs["1"], outs["0"].double()) <= TOL
 
 
@@ -312,16 +316,9 @@ def test_squeeze_excite_weights_as_t_match_float64_reference(make_reference, mon
     dtype = getattr(torch, precision)
     x = torch.rand(n, 3, 64, 64, generator=torch.Generator().manual_seed(2200 + n))
     xd = x.cuda().to(dtype)
-    outs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("KFUSE_SE_WEIGHTS_T", on)  # read when the engine is created
-        engine = _C.EncoderGpu(enc.config, precision, 0)
-        engine.set_weights(params)
-        outs[on] = _repeat_forward(engine, xd, (n, 512, 2, 2), dtype, stream, f"KFUSE_SE_WEIGHTS_T={on}")
-    y64 = reference64(ref, x)
-    for on, y in outs.items():
-        assert not torch.isnan(y).any(), f"KFUSE_SE_WEIGHTS_T={on}"
-        assert rel_err(y, y64) <= TOL, f"KFUSE_SE_WEIGHTS_T={on}"
+    outs = _forward_per_switch(monkeypatch, "KFUSE_SE_WEIGHTS_T", ("0", "1"), enc, precision, params, xd,
+                               (n, 512, 2, 2), dtype, stream)
+    _assert_near_reference(outs, reference64(ref, x), "KFUSE_SE_WEIGHTS_T")
     if n == 300:  # four images per CTA: the fp32 weights either way
         assert torch.equal(outs["1"], outs["0"])
     else:
@@ -398,17 +395,15 @@ def test_fused_stem_matches_stem_kernel(make_reference, monkeypatch, precision, 
     dtype = getattr(torch, precision)
     monkeypatch.setenv("KFUSE_TUNE", "off")  # both engines run the heuristic's kernels: same tiles, same sums
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    outs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("KFUSE_FUSED_STEM", on)  # read when the engine is created
-        engine = _C.EncoderGpu(enc.config, precision, 0)
-        engine.set_weights(params)
+
+    def setup(engine, on):
         if norm is not None:
             engine.set_input_affine(*enc._uint8_affine())
         assert engine.stem_in_block(n, 64, 64) == (on == "1" and _hopper()), f"KFUSE_FUSED_STEM={on}"
         assert not engine.stem_in_block(sms + 1, 64, 64)
-        outs[on] = _repeat_forward(engine, x, (n, 512, 2, 2), dtype, stream, f"KFUSE_FUSED_STEM={on}",
-                                   new_input_last=True)
+
+    outs = _forward_per_switch(monkeypatch, "KFUSE_FUSED_STEM", ("0", "1"), enc, precision, params, x,
+                               (n, 512, 2, 2), dtype, stream, setup, new_input_last=True)
     assert not torch.isnan(outs["1"]).any()
     assert torch.equal(outs["1"], outs["0"])
     assert rel_err(outs["1"], reference64(ref, x_ref)) <= TOL
