@@ -10,6 +10,8 @@
 #                                [--pytest "pytest arguments"] [--ab VAR=VALUE] [-- extra kfuse bench arguments]
 #   --exec: build, run the command (e.g. a diagnostic script) and stop.
 #   --pytest: which Python tests to run (default: tests/python, all of them).
+#   KFUSE_CMAKE_ARGS (environment): extra arguments of the build's cmake, e.g. -DKFUSE_PHASE_STAMPS=ON for the core's
+#         kernels (scripts/phase_stamps.py).
 #   --ab: after the benchmark, time kfuse alone again with VAR=VALUE in its environment (an A/B switch such as
 #         KFUSE_PDL=0), same bench arguments, results in build-gpu/ab/.
 set -uo pipefail
@@ -70,7 +72,7 @@ fi
 if cmake --fresh -S . -B build-gpu/full -G Ninja "${compiler[@]}" -DKFUSE_KERNEL_OBJECTS_DIR="$root/.kfuse-dist/objects" \
      -DKFUSE_JSON_INCLUDE_DIR="$root/.kfuse-dist/include" -DKFUSE_BUILD_TESTS=OFF \
      ${cudnn_inc_arg[@]+"${cudnn_inc_arg[@]}"} \
-     -DPython_EXECUTABLE="$(command -v "$py")" >"$logs/build.log" 2>&1 &&
+     -DPython_EXECUTABLE="$(command -v "$py")" ${KFUSE_CMAKE_ARGS:-} >"$logs/build.log" 2>&1 &&
    cmake --build build-gpu/full -j 16 >>"$logs/build.log" 2>&1; then
   status[build]="ok ($((SECONDS - t0)) s)"
 else

@@ -2,6 +2,8 @@
 were compiled with the stamps on:
     KFUSE_CMAKE_ARGS=-DKFUSE_PHASE_STAMPS=ON bash scripts/device_bundle.sh       # here; OFF again afterwards
     bash scripts/gpu_run.sh --exec "python3 scripts/phase_stamps.py 128"        # there
+The core's kernels (the squeeze-excite), which the GPU machine compiles, need the option there instead:
+    KFUSE_CMAKE_ARGS=-DKFUSE_PHASE_STAMPS=ON bash scripts/gpu_run.sh --exec "python3 scripts/phase_stamps.py 128"
 Runs the default network eagerly a few times per input channel count (the first call of each is cold) and prints the
 kernels' "[phases] <kernel> cta <c> <phase> <us>" lines, then the median per (kernel, phase) over the warm calls.
 Usage: python scripts/phase_stamps.py [N] [calls]"""

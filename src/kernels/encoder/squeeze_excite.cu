@@ -31,6 +31,7 @@
 
 #include "kernels/encoder/encoder_kernels.h"
 #include "kernels/encoder/numeric.cuh"
+#include "kernels/phase_stamps.cuh"
 #include "kernels/programmatic_launch.h"
 
 namespace kfuse::kernels {
@@ -352,6 +353,8 @@ template <class T, int P, int G, int V, bool kWT>
 __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const SqueezeExciteArgs a) {
   using Gm = Geo<P, G>;
   extern __shared__ __align__(128) unsigned char smem[];
+  KFUSE_PHASES(10);  // development builds only (phase_stamps.cuh)
+  KFUSE_STAMP(0, "start");
   pdl_wait_for_predecessor();
   pdl_allow_successor();
   const int hw = a.hw;
@@ -381,6 +384,7 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
     for (int k = 0; k < V; ++k) ov[k] = affine8<T>(ov[k], sc, sh);
   }
   __syncthreads();
+  KFUSE_STAMP(1, "o_issue");
   float4 w1r[Gm::S1], w2r[Gm::K2];
   float b1r, b2r[Gm::Scatter2::kOut];
   // The warps' weight rows are rotated by CTA (the sums do not depend on which warp computes them), so that the
@@ -401,20 +405,31 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
     if (v < nvec) reinterpret_cast<uint4*>(stage)[v] = ov[k];
   }
   __syncthreads();
+  KFUSE_STAMP(2, "o_arrive");
   squeeze_means<T, P, G>(reinterpret_cast<const uint32_t*>(stage), colpart, mean, hw, ge);
   __syncthreads();
+  KFUSE_STAMP(3, "squeeze");
   fc1<P, G>(w1r, b1r, mean, hid, rot);
   __syncthreads();
+  KFUSE_STAMP(4, "fc1");
   fc2<P, G>(w2r, b2r, hid, mean, rot);  // the gate overwrites the means: fc1's reads are behind the barrier
   __syncthreads();
+  KFUSE_STAMP(5, "fc2");
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     const int v = t + k * kThreads;
     if (v < nvec) excite_vector<T, P, G>(a, base, v, hw, ov[k], iv[k], mean, nb1a, stage);
   }
-  if (!a.out_nchw) return;
+  KFUSE_STAMP(6, "excite");
+  if (!a.out_nchw) {
+    KFUSE_PRINT_PHASES("se_reg");
+    return;
+  }
   __syncthreads();
+  KFUSE_STAMP(7, "excite_sync");
   write_nchw<T, P>(a, base, hw, ge, stage);
+  KFUSE_STAMP(8, "nchw");
+  KFUSE_PRINT_PHASES("se_reg");
 }
 
 // --- the generic kernel (any P % 8 == 0, any hidden, any hw) --------------------------------------------------------
