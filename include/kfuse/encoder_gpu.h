@@ -116,6 +116,11 @@ class EncoderGpu {
   // 256 -> 512 channels at 4 x 4 input maps, i.e. block 4 of the default network at 64 x 64), unless the environment
   // sets KFUSE_FUSED_TAIL=0 when the encoder is created.
   int tail_block_count(int h, int w) const;
+  // How many blocks of the inference forward on n x C x h x w inputs have conv2's GEMM compute their squeeze-excite's
+  // fc1 pre-activations (kernels::launch_squeeze_projection: the last block, when its conv2 runs as the dense GEMM
+  // from a prepared filter, n at most the SM count), as decided at that geometry's first forward; 0 before it or
+  // where the environment sets KFUSE_SE_PROJECTION=0 when the encoder is created.
+  int squeeze_projection_count(int n, int h, int w) const;
   // Whether the inference forward on n x C x h x w inputs computes the stem inside block 1's warpgroup-MMA kernel
   // (each CTA the stem of its own image: n at most the SM count), unless the environment sets KFUSE_FUSED_STEM=0
   // when the encoder is created.

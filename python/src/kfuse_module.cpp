@@ -390,6 +390,8 @@ NB_MODULE(_C, m) {
       .def("tail_block_count", &EncoderGpu::tail_block_count, "h"_a, "w"_a,
            "How many downsampling blocks of the inference forward on h x w inputs run shortcut, squeeze-excite and "
            "join as one kernel")
+      .def("squeeze_projection_count", &EncoderGpu::squeeze_projection_count, "n"_a, "h"_a, "w"_a,
+           "How many blocks of that geometry's inference forward compute fc1's pre-activations in conv2's GEMM")
       .def("stem_in_block", &EncoderGpu::stem_in_block, "n"_a, "h"_a, "w"_a,
            "Whether the inference forward on n x C x h x w inputs computes the stem inside block 1's kernel")
       .def("cudnn_fused_count", &EncoderGpu::cudnn_fused_count, "n"_a, "h"_a, "w"_a,

@@ -88,6 +88,7 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
   }
   read_switch("KFUSE_FUSED_TAIL", "off", m.fuse_tail);
   read_switch("KFUSE_SE_WEIGHTS_T", "fp32 fc weights", m.se_weights_t);
+  read_switch("KFUSE_SE_PROJECTION", "off", m.se_projection);
   m.cc_major = info.major;
   m.cc_minor = info.minor;
   int optin = 0;
@@ -170,6 +171,13 @@ int EncoderGpu::down_block_count(int h, int w) const {
 int EncoderGpu::tail_block_count(int h, int w) const {
   const Impl& m = *impl_;
   return count_blocks(m, h, w, [&](size_t i, int bh, int bw) { return m.tail_block_applies(i, bh, bw); });
+}
+int EncoderGpu::squeeze_projection_count(int n, int h, int w) const {
+  const Impl& m = *impl_;
+  KFUSE_CHECK(n >= 1, InvalidArgument, "squeeze_projection_count: n must be >= 1, got ", n);
+  return count_blocks(m, h, w, [&](size_t i, int bh, int bw) {
+    return m.squeeze_projection_for(i, m.problems(m.blocks[i], n, bh, bw)[1]) != nullptr;
+  });
 }
 bool EncoderGpu::stem_in_block(int n, int h, int w) const {
   const Impl& m = *impl_;

@@ -14,6 +14,7 @@
 
 #include "kernels/conv/conv_fixup.h"
 #include "kernels/conv/cudnn_fused.h"
+#include "kernels/conv/dense_conv.h"
 #include "kernels/encoder/encoder_kernels.h"
 #include "kernels/programmatic_launch.h"
 #include "kfuse/encoder_gpu.h"
@@ -299,6 +300,11 @@ struct EncoderGpu::Impl {
   // The inference forward's squeeze-excite kernels read the fc weights as T where they can (BlockWeights::fc_t).
   // KFUSE_SE_WEIGHTS_T=0: always fp32 (the A/B switch).
   bool se_weights_t = true;
+  // Where the last block's conv2 runs as the dense GEMM from a prepared filter (batch up to the SM count), that
+  // filter carries the squeeze projection (kernels::launch_squeeze_projection) as extra rows: the GEMM computes fc1's
+  // pre-activations with o and the squeeze-excite skips its squeeze and fc1. KFUSE_SE_PROJECTION=0: never (the A/B
+  // switch; PERF.md session 28).
+  bool se_projection = true;
   int cc_major = 0, cc_minor = 0;
   size_t smem_optin = 0;  // the device's shared memory per block with opt-in
   std::map<Geometry, Activations> activations;
@@ -371,7 +377,8 @@ struct EncoderGpu::Impl {
       o.a = take(in);
       o.h2 = take(out);
       o.idt = b.has_downsample ? take(out) : SIZE_MAX;
-      o.o = take(out);
+      // The last block's o has room for fc1's pre-activations per image (squeeze_projection_rows).
+      o.o = take(&b == &blocks.back() ? out + size_t(g.n) * projection_rows_max(b) : out);
       if (fusable_down_block_shape(b) && down_stream_offsets(b).ranks > 1) {
         const size_t groups = size_t(kernels::fused_down_block_groups(g.n));
         o.partials = take(groups * 1024 / es);
@@ -480,6 +487,11 @@ struct EncoderGpu::Impl {
     Conv2dProblem problem;
     size_t w = 0;  // the KRSC filter's offset in the weights
     void* data = nullptr;
+    // The squeeze projection's rows after the unrolled filter (0: none) and, at rowsum_at bytes, w1's row sums;
+    // block: whose fc1 they project.
+    int extra_rows = 0;
+    size_t rowsum_at = 0;
+    size_t block = 0;
   };
   std::map<std::string, PreparedFilter> prepared;
   static std::string prepared_key(const ConvConfig& c, const Conv2dProblem& p, size_t w) {
@@ -492,6 +504,41 @@ struct EncoderGpu::Impl {
 
   std::set<Geometry> prepared_for;  // geometries whose prepared filters exist for the current choices
 
+  // The squeeze projection's rows for block i's conv2 problem p (whose input is h x w) under configuration c, or 0:
+  // the last block (o goes only to the NCHW output), conv2 as the dense GEMM from a prepared filter, the squeeze-
+  // excite's fast kernel at one image per CTA (batch up to the SM count: one wave), no fused tail.
+  static int projection_rows_max(const EncoderConfig::Block& b) {
+    return b.se_hidden * 16 == b.planes && b.se_hidden % 8 == 0 ? b.se_hidden : 0;
+  }
+  int squeeze_projection_rows(size_t i, int h, int w, const ConvConfig& c, const Conv2dProblem& p) const {
+    if (!se_projection || i + 1 != blocks.size() || !c.dense || !c.unrolled || p.n > sm_count ||
+        tail_block_applies(i, h, w))
+      return 0;
+    const int rows = projection_rows_max(blocks[i]);
+    return (int64_t(p.p()) * p.q() * p.k + rows) % 8 == 0 ? rows : 0;
+  }
+  // Block i's conv2 prepared filter with the squeeze projection, or null (then conv2 and the squeeze-excite run as
+  // usual).
+  const PreparedFilter* squeeze_projection_for(size_t i, const Conv2dProblem& p) const {
+    const ConvConfig c = choose(p, false);
+    const auto it = prepared.find(prepared_key(c, p, problem_filter(i, 1)));
+    return it != prepared.end() && it->second.extra_rows > 0 ? &it->second : nullptr;
+  }
+  // The projection rows and w1's row sums of prepared filter f (after its unrolled filter was made), on `stream`.
+  void make_squeeze_projection(const PreparedFilter& f, cudaStream_t stream) {
+    const Conv2dProblem& p = f.problem;
+    kernels::SqueezeProjectionArgs a;
+    a.wd = f.data;
+    a.po_count = p.p() * p.q();
+    a.k = p.k;
+    a.kd = p.h * p.w * p.c;
+    a.hidden = f.extra_rows;
+    a.w1 = fptr(bw[f.block].fc1_w);
+    a.proj = static_cast<uint8_t*>(f.data) + size_t(a.po_count) * a.k * a.kd * 2;
+    a.rowsum = reinterpret_cast<float*>(static_cast<uint8_t*>(f.data) + f.rowsum_at);
+    check_cuda(kernels::launch_squeeze_projection(a, dtype, stream), "squeeze projection kernel");
+  }
+
   // Once per geometry and set of choices (it runs on every forward call: the host path of a replay).
   void ensure_prepared_filters(const Geometry& g, cudaStream_t stream) {
     if (prepared_for.count(g)) return;
@@ -503,14 +550,22 @@ struct EncoderGpu::Impl {
       const auto probs = problems(blocks[i], g.n, h, w);
       for (size_t j = 0; j < probs.size(); ++j) {
         const ConvConfig c = choose(probs[j], j == 0);
-        const size_t bytes = prepared_filter_bytes(c, probs[j], dtype);
+        size_t bytes = prepared_filter_bytes(c, probs[j], dtype);
         const size_t wo = problem_filter(i, j);
         if (bytes == 0 || prepared.count(prepared_key(c, probs[j], wo))) continue;
         PreparedFilter f{c, probs[j], wo, nullptr};
+        if (j == 1 && (f.extra_rows = squeeze_projection_rows(i, h, w, c, probs[j])) > 0) {
+          const Conv2dProblem& p = probs[j];
+          const size_t rows = size_t(p.p()) * p.q() * p.k + f.extra_rows, kd = size_t(p.h) * p.w * p.c;
+          f.rowsum_at = std::max(bytes, (rows * kd * 2 + 255) / 256 * 256);
+          f.block = i;
+          bytes = f.rowsum_at + sizeof(float) * f.extra_rows;
+        }
         check_cuda(cudaMalloc(&f.data, bytes), "cudaMalloc (prepared filter)");
         prepared.emplace(prepared_key(c, probs[j], wo), f);
         check_cuda(prepare_conv_filter(c, probs[j], dtype, wptr(wo), f.data, stream),
                    "preparing the filter of " + c.name() + " (" + conv_shape_key(probs[j]) + ")");
+        if (f.extra_rows > 0) make_squeeze_projection(f, stream);
       }
       h /= blocks[i].stride;
       w /= blocks[i].stride;
@@ -519,9 +574,11 @@ struct EncoderGpu::Impl {
   }
   // After the weights changed, on the stream that changed them (asynchronous).
   void remake_prepared_filters(cudaStream_t stream) {
-    for (auto& [k, f] : prepared)
+    for (auto& [k, f] : prepared) {
       check_cuda(prepare_conv_filter(f.config, f.problem, dtype, wptr(f.w), f.data, stream),
                  "preparing the filter of " + f.config.name());
+      if (f.extra_rows > 0) make_squeeze_projection(f, stream);  // from the new fc1 weights too
+    }
   }
 
   std::map<Geometry, bool> checked;  // geometries whose convolutions were checked and sized
@@ -821,7 +878,14 @@ struct EncoderGpu::Impl {
       const bool raw2 = act.conv2_raw || choose(probs[1], false).is_library();
       kernels::FixupEpilogue e2{s + kScale, s + kB2b, nullptr, false};
       if (raw2) e2 = kernels::FixupEpilogue{};
-      {
+      // The last block's conv2 with the squeeze projection's rows (fc1's pre-activations after each image's o).
+      const PreparedFilter* proj = act.training || tail_fused ? nullptr : squeeze_projection_for(i, probs[1]);
+      if (proj) {
+        void* ws = conv_workspace;  // the main stream's half
+        check_cuda(kernels::dense_conv_fprop_unrolled(probs[1], dtype, act.h2[i], proj->data, act.o[i], ws,
+                                                      conv_workspace_bytes, stream, proj->extra_rows),
+                   "conv2 with the squeeze projection (dense GEMM, " + conv_shape_key(probs[1]) + ")");
+      } else {
         kernels::PdlScope conv2_scope(chain && (pdl_policy < 2 || !b.has_downsample));
         conv(probs[1], act.h2[i], W.conv2, act.o[i], e2, stream, false, act.training);
       }
@@ -843,6 +907,11 @@ struct EncoderGpu::Impl {
       se.b2 = fptr(W.fc2_b);
       se.w1_t = se_weights_t && !act.training ? wptr(W.fc_t) : nullptr;  // the training step's gates stay fp32's
       se.w2_t = se_weights_t && !act.training ? wptr(W.fc_t + fc2_t_offset(b)) : nullptr;
+      if (proj) {
+        se.o_stride = int64_t(se.hw) * se.p + proj->extra_rows;
+        se.pre_hidden = static_cast<const uint8_t*>(act.o[i]) + size_t(se.hw) * se.p * 2;
+        se.w1_rowsum = reinterpret_cast<const float*>(static_cast<const uint8_t*>(proj->data) + proj->rowsum_at);
+      }
       se.y = nullptr;
       se.a_next = nullptr;
       se.next_b1a = nullptr;

@@ -497,12 +497,16 @@ def test_misaligned_input_replays_correctly(make_reference):
     assert rel_err(y_shifted, y_ref) <= TOL
 
 
-def test_prepared_dense_filter_follows_new_weights(make_reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("projection", ["0", "1"])
+def test_prepared_dense_filter_follows_new_weights(make_reference, tmp_path, monkeypatch, projection):
     """Block 4's conv2 as the dense GEMM from a filter unrolled ahead of time (a tuning cache whose entry for that
     shape names dense_unrolled, so the choice does not depend on timings): it matches the float64 reference, eager and
     replayed, and still does after new weights go into the same engine (set_weights remakes the prepared filter in
-    place; a stale one would give the old weights' answer)."""
+    place; a stale one would give the old weights' answer). With KFUSE_SE_PROJECTION=1 that filter also carries the
+    squeeze projection (fc1's pre-activations as extra GEMM rows, remade from the new fc1 weights as well), and the
+    engine must say it uses it; with 0 it must not."""
     monkeypatch.setenv("KFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KFUSE_SE_PROJECTION", projection)
     shape = "n8_h2_w2_c512_k512_r3_s3_p1_u1"
     ref = make_reference(in_channels=3, seed=41)
     rows = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16).tune(batch=8, mode="retune", verbose=False)
@@ -528,6 +532,8 @@ def test_prepared_dense_filter_follows_new_weights(make_reference, tmp_path, mon
                 y = enc(x.half().cuda())
             assert not torch.isnan(y).any()
             assert rel_err(y, y_ref) <= TOL, f"weights {seed}, call {call}"
+        engine = next(iter(enc._gpu_engines.values()))[0]
+        assert engine.squeeze_projection_count(8, 64, 64) == int(projection)
 
 
 def test_tune_reports_every_convolution_and_is_cached(make_reference, tmp_path, monkeypatch):

@@ -154,13 +154,15 @@ cudaError_t dense_conv_unroll_filter(const Conv2dProblem& p, ConvDType dtype, co
 size_t dense_conv_fprop_unrolled_workspace_bytes(const Conv2dProblem&, ConvDType) { return kCublasWorkspace; }
 
 cudaError_t dense_conv_fprop_unrolled(const Conv2dProblem& p, ConvDType dtype, const void* x, const void* wd, void* y,
-                                      void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                                      void* workspace, size_t workspace_bytes, cudaStream_t stream, int extra_rows) {
   const size_t need = dense_conv_fprop_unrolled_workspace_bytes(p, dtype);
   if (!valid_args(p, dtype, {x, wd, y, workspace}, workspace_bytes, need)) return cudaErrorInvalidValue;
   const Dims d = dims(p);
-  // Row-major y[n][nd] = x[n][kd] Wd^T, Wd row-major [nd][kd]: column-major y^T = op_T(Wd) x^T.
+  const int64_t rows = d.nd + extra_rows;
+  if (extra_rows < 0 || rows % 8 != 0) return cudaErrorInvalidValue;
+  // Row-major y[n][rows] = x[n][kd] Wd^T, Wd row-major [rows][kd]: column-major y^T = op_T(Wd) x^T.
   const cudaDataType_t t = cuda_type(dtype);
-  return gemm(CUBLAS_OP_T, CUBLAS_OP_N, d.nd, p.n, d.kd, wd, t, d.kd, x, t, d.kd, y, t, d.nd, workspace, stream);
+  return gemm(CUBLAS_OP_T, CUBLAS_OP_N, rows, p.n, d.kd, wd, t, d.kd, x, t, d.kd, y, t, rows, workspace, stream);
 }
 
 size_t dense_conv_fprop_workspace_bytes(const Conv2dProblem& p, ConvDType dtype) {

@@ -36,9 +36,13 @@ cudaError_t dense_conv_fprop(const Conv2dProblem& p, ConvDType dtype, const void
 size_t dense_conv_unrolled_filter_bytes(const Conv2dProblem& p, ConvDType dtype);
 cudaError_t dense_conv_unroll_filter(const Conv2dProblem& p, ConvDType dtype, const void* w, void* wd,
                                      cudaStream_t stream);
+// extra_rows: wd holds that many more rows after the unrolled filter's Ho*Wo*K (the caller's: e.g. the squeeze
+// projection of encoder_kernels.h), and y's image rows are Ho*Wo*K + extra_rows long, the extra outputs last.
+// (Ho*Wo*K + extra_rows) % 8 == 0.
 size_t dense_conv_fprop_unrolled_workspace_bytes(const Conv2dProblem& p, ConvDType dtype);
 cudaError_t dense_conv_fprop_unrolled(const Conv2dProblem& p, ConvDType dtype, const void* x, const void* wd, void* y,
-                                      void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                                      void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                      int extra_rows = 0);
 
 // dw (KRSC fp32) = the weight gradient of y = conv(x, w) for dL/dy = dy (NHWC T).
 size_t dense_conv_wgrad_workspace_bytes(const Conv2dProblem& p, ConvDType dtype);

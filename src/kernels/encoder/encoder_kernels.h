@@ -58,8 +58,32 @@ struct SqueezeExciteArgs {
   // of weights); other shapes and the generic kernel read w1 / w2. 16-byte aligned, else unused.
   const void* w1_t = nullptr;
   const void* w2_t = nullptr;
+  // Optional, the squeeze and fc1 computed ahead (launch_squeeze_projection: the last block's dense conv2 GEMM writes
+  // fc1's pre-activations of o's raw means as extra output columns). o_stride: elements from one image's o to the
+  // next (0: hw * p); pre_hidden: `hidden` values of T per image, image i's at pre_hidden + i * o_stride; w1_rowsum:
+  // [hidden] fp32, the row sums of w1. The hidden units are then relu(*o_scale * pre + *o_shift * rowsum + b1), so
+  // o_scale and o_shift are required (o raw). Runs at one image per CTA (the fast kernel); o_stride and pre_hidden
+  // 16-byte aligned for every image (o_stride % 8 == 0).
+  const void* pre_hidden = nullptr;
+  const float* w1_rowsum = nullptr;
+  int64_t o_stride = 0;
 };
 cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& args, ConvDType dtype, cudaStream_t stream);
+
+// The squeeze and fc1 of a block's squeeze-excite folded into its conv2 when that convolution is one dense GEMM
+// (kernels/conv/dense_conv.h) with a raw output: mean over o's Ho*Wo pixels of (x Wd^T)[po*K + k] = x . Wbar[k], with
+// Wbar[k] = (1 / (Ho*Wo)) sum over po of Wd[po*K + k], so fc1's pre-activation (without scale, b2b, b1) is
+// x . proj[j] with proj[j] = sum over k of w1[j][k] Wbar[k]: `hidden` more rows of the GEMM (PERF.md session 28).
+// wd: the unrolled filter, row-major [po_count * k][kd] of T; w1: fc1's weight [hidden][k] fp32. Writes proj
+// ([hidden][kd] of T, rounded once from fp32 sums) and rowsum[j] = sum over k of w1[j][k] (fp32).
+struct SqueezeProjectionArgs {
+  const void* wd = nullptr;
+  int po_count = 0, k = 0, kd = 0, hidden = 0;
+  const float* w1 = nullptr;
+  void* proj = nullptr;
+  float* rowsum = nullptr;
+};
+cudaError_t launch_squeeze_projection(const SqueezeProjectionArgs& args, ConvDType dtype, cudaStream_t stream);
 
 // A residual block whose shortcut is the identity, 64 -> 64 channels, stride 1 (the encoder's block 1), in one kernel
 // for inference (fused_block.cu): h2 = relu(conv3x3(a) + b1b) + b2a, o = conv3x3(h2) * scale + b2b, then the

@@ -22,7 +22,8 @@
 // no faster and was dropped.) At P = 512, once N needs several waves, G = 2 or 4 images share a CTA and its weight
 // loads. At one image per CTA and P = 512 the fc weights come as T where the caller has them (SqueezeExciteArgs::
 // w1_t, w2_t: 64 instead of 128 KB per CTA). Anything else (other P, hidden != P/16, large hw, unaligned pointers)
-// takes the generic kernel. No floating-point atomics, fixed reduction orders: the same input gives the same bits.
+// takes the generic kernel. Where the caller computed fc1's pre-activations with conv2 (SqueezeExciteArgs::pre_hidden,
+// launch_squeeze_projection), the fast kernel skips the squeeze and fc1. No floating-point atomics, fixed reduction orders: the same input gives the same bits.
 #include <atomic>
 #include <cstdint>
 
@@ -368,8 +369,9 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
   const int img0 = blockIdx.x * G;
   const int ge = min(G, a.n - img0);  // images of this CTA (the last one may have fewer)
   const int64_t base = int64_t(img0) * hw * P;
+  const int64_t obase = G == 1 && a.o_stride ? int64_t(img0) * a.o_stride : base;  // o_stride: one image per CTA
   const int nvec = ge * hw * Gm::C8;
-  const uint4* o = reinterpret_cast<const uint4*>(static_cast<const T*>(a.o) + base);
+  const uint4* o = reinterpret_cast<const uint4*>(static_cast<const T*>(a.o) + obase);
   const uint4* idt = reinterpret_cast<const uint4*>(static_cast<const T*>(a.identity) + base);
 
   uint4 ov[V], iv[V];
@@ -378,19 +380,28 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
     const int v = t + k * kThreads;
     ov[k] = v < nvec ? __ldg(o + v) : make_uint4(0, 0, 0, 0);
   }
+  // With pre_hidden (G == 1), fc1's pre-activation of hidden unit t comes with o (launch_squeeze_projection).
+  const bool projected = a.pre_hidden != nullptr;  // uniform
+  float pre = 0.f, pre_shift = 0.f, pre_b1 = 0.f;
+  if (projected && t < Gm::H) {
+    pre = to_f(__ldg(static_cast<const T*>(a.pre_hidden) + obase + t));
+    pre_shift = __ldg(a.w1_rowsum + t);
+    pre_b1 = __ldg(a.b1 + t);
+  }
+  float sc = 1.f, sh = 0.f;
   if (a.o_scale) {
-    const float sc = __ldg(a.o_scale), sh = __ldg(a.o_shift);
+    sc = __ldg(a.o_scale), sh = __ldg(a.o_shift);
 #pragma unroll
     for (int k = 0; k < V; ++k) ov[k] = affine8<T>(ov[k], sc, sh);
   }
   __syncthreads();
   KFUSE_STAMP(1, "o_issue");
   float4 w1r[Gm::S1], w2r[Gm::K2];
-  float b1r, b2r[Gm::Scatter2::kOut];
+  float b1r = 0.f, b2r[Gm::Scatter2::kOut];
   // The warps' weight rows are rotated by CTA (the sums do not depend on which warp computes them), so that the
   // CTAs, which all read the same weights, spread their requests over the L2 slices.
   const int rot = blockIdx.x & 31;
-  load_w1<T, P, G, kWT, true>(kWT ? a.w1_t : a.w1, a.b1, w1r, b1r, rot);
+  if (!projected) load_w1<T, P, G, kWT, true>(kWT ? a.w1_t : a.w1, a.b1, w1r, b1r, rot);
   load_w2<T, P, G, kWT, true>(kWT ? a.w2_t : a.w2, a.b2, w2r, b2r, rot);
   const float nb1a = a.next_b1a ? __ldg(a.next_b1a) : 0.f;
 #pragma unroll
@@ -406,10 +417,14 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_excite_reg_kernel(const S
   }
   __syncthreads();
   KFUSE_STAMP(2, "o_arrive");
-  squeeze_means<T, P, G>(reinterpret_cast<const uint32_t*>(stage), colpart, mean, hw, ge);
-  __syncthreads();
-  KFUSE_STAMP(3, "squeeze");
-  fc1<P, G>(w1r, b1r, mean, hid, rot);
+  if (!projected) {
+    squeeze_means<T, P, G>(reinterpret_cast<const uint32_t*>(stage), colpart, mean, hw, ge);
+    __syncthreads();
+    KFUSE_STAMP(3, "squeeze");
+    fc1<P, G>(w1r, b1r, mean, hid, rot);
+  } else if (t < Gm::H) {  // fc1(mean(o)) = sc * (x . proj) + sh * rowsum(w1) + b1, o = sc * v + sh
+    hid[t] = relu_nan(fmaf(sc, pre, sh * pre_shift) + pre_b1);
+  }
   __syncthreads();
   KFUSE_STAMP(4, "fc1");
   fc2<P, G>(w2r, b2r, hid, mean, rot);  // the gate overwrites the means: fc1's reads are behind the barrier
@@ -570,6 +585,12 @@ bool launch_reg(const SqueezeExciteArgs& a, cudaStream_t stream) {
 template <class T>
 bool launch_fast(const SqueezeExciteArgs& a, cudaStream_t stream) {
   if (a.hidden * 16 != a.p) return false;
+  // o strided per image (with fc1's pre-activations): one image per CTA, the only layout the kernel indexes that way.
+  const bool strided = a.o_stride != 0 || a.pre_hidden;
+  if (strided &&
+      (!a.pre_hidden || !a.w1_rowsum || !a.o_scale || !a.o_shift || a.o_stride < int64_t(a.hw) * a.p ||
+       a.o_stride % 8 != 0 || !aligned16(a.pre_hidden)))
+    return false;
   if (!aligned16(a.o) || !aligned16(a.identity) || !aligned16(a.w1) || !aligned16(a.w2) ||
       (a.y && !aligned16(a.y)) || (a.a_next && !aligned16(a.a_next)) || (a.out_nchw && !aligned16(a.out_nchw)))
     return false;
@@ -581,7 +602,7 @@ bool launch_fast(const SqueezeExciteArgs& a, cudaStream_t stream) {
       // One image per CTA with the weights in T where given (the inference forward at batch 128 and below: 128 KB
       // of fp32 weights per CTA were most of that kernel's time); each falls back to fewer images when hw is too
       // large.
-      const int g = images_per_cta_512(a.n, sm_count());
+      const int g = strided ? 1 : images_per_cta_512(a.n, sm_count());
       if (g == 1 && a.w1_t && a.w2_t && aligned16(a.w1_t) && aligned16(a.w2_t))
         return launch_reg<T, 512, 1, true>(a, stream);
       return (g >= 4 && launch_reg<T, 512, 4>(a, stream)) || (g >= 2 && launch_reg<T, 512, 2>(a, stream)) ||
@@ -594,6 +615,7 @@ bool launch_fast(const SqueezeExciteArgs& a, cudaStream_t stream) {
 template <class T>
 cudaError_t launch_typed(const SqueezeExciteArgs& a, cudaStream_t stream) {
   if (launch_fast<T>(a, stream)) return cudaGetLastError();
+  if (a.o_stride != 0 || a.pre_hidden) return cudaErrorInvalidValue;  // the fast kernel's layouts only
   const int slices = a.p >= kThreads ? 1 : kThreads / a.p;
   const size_t smem = sizeof(float) * (2 * size_t(a.p) + a.hidden + size_t(slices) * a.p);
   if (smem > kDefaultSmem) return cudaErrorInvalidValue;
