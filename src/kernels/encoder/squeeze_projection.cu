@@ -8,8 +8,9 @@
 // rows of the unrolled filter; nvjet's 48-row tiles already cover 2080 with the same CTA count), computed while conv2
 // runs, and the squeeze-excite starts at fc2.
 //
-// Made once per weight set (the prepared filters' remake), not per forward: one thread per (hidden unit j, filter
-// column), summing over the Ho*Wo output pixels and K output channels in a fixed order (the same bits every time).
+// Made once per weight set (the prepared filters' remake, which a training step triggers too), not per forward: one
+// thread per (filter column, 4 hidden units), summing over the Ho*Wo output pixels and K output channels in a fixed
+// order (the same bits every time).
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -22,27 +23,39 @@ namespace kfuse::kernels {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kRowsPerThread = 4;  // hidden units per thread: each Wd load serves 4 of them
 
+// Thread (col, group of kRowsPerThread hidden units): Wbar[k][col] * po_count summed from Wd as it goes, times w1's
+// rows (the same address across the warp: one broadcast load each). The k loop unrolled by 4: 16 independent Wd loads
+// in flight per thread.
 template <class T>
 __global__ void __launch_bounds__(kThreads) squeeze_projection_kernel(const SqueezeProjectionArgs a) {
-  const int j = blockIdx.y;
+  const int j0 = blockIdx.y * kRowsPerThread;
   const int col = blockIdx.x * kThreads + threadIdx.x;
   const T* wd = static_cast<const T*>(a.wd);
-  const float* w1 = a.w1 + int64_t(j) * a.k;
+  const int rows = min(kRowsPerThread, a.hidden - j0);
   if (col < a.kd) {
-    float acc = 0.f;
+    float acc[kRowsPerThread] = {};
+#pragma unroll 4
     for (int k = 0; k < a.k; ++k) {
       float s = 0.f;  // Wbar[k][col] * po_count
       for (int po = 0; po < a.po_count; ++po) s += to_f(wd[(int64_t(po) * a.k + k) * a.kd + col]);
-      acc = fmaf(__ldg(w1 + k), s, acc);
+#pragma unroll
+      for (int r = 0; r < kRowsPerThread; ++r)
+        if (r < rows) acc[r] = fmaf(__ldg(a.w1 + int64_t(j0 + r) * a.k + k), s, acc[r]);
     }
-    static_cast<T*>(a.proj)[int64_t(j) * a.kd + col] = to_t<T>(acc / float(a.po_count));
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r)
+      if (r < rows) static_cast<T*>(a.proj)[int64_t(j0 + r) * a.kd + col] = to_t<T>(acc[r] / float(a.po_count));
   }
-  if (blockIdx.x == 0 && threadIdx.x < 32) {  // the row sum of w1, lane-strided then a fixed butterfly
-    float s = 0.f;
-    for (int k = threadIdx.x; k < a.k; k += 32) s += w1[k];
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (threadIdx.x == 0) a.rowsum[j] = s;
+  if (blockIdx.x == 0 && threadIdx.x < 32) {  // w1's row sums: lane-strided, then a fixed butterfly
+    for (int r = 0; r < rows; ++r) {
+      const float* w1 = a.w1 + int64_t(j0 + r) * a.k;
+      float s = 0.f;
+      for (int k = threadIdx.x; k < a.k; k += 32) s += w1[k];
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (threadIdx.x == 0) a.rowsum[j0 + r] = s;
+    }
   }
 }
 
@@ -52,7 +65,7 @@ cudaError_t launch_squeeze_projection(const SqueezeProjectionArgs& a, ConvDType 
   if (!a.wd || !a.w1 || !a.proj || !a.rowsum || a.po_count < 1 || a.k < 1 || a.kd < 1 || a.hidden < 1 ||
       a.hidden > 65535)
     return cudaErrorInvalidValue;
-  const dim3 grid(unsigned((a.kd + kThreads - 1) / kThreads), unsigned(a.hidden));
+  const dim3 grid(unsigned((a.kd + kThreads - 1) / kThreads), unsigned((a.hidden + kRowsPerThread - 1) / kRowsPerThread));
   if (dtype == ConvDType::kF16)
     squeeze_projection_kernel<__half><<<grid, kThreads, 0, stream>>>(a);
   else
