@@ -40,7 +40,8 @@ class EncoderGpu {
   const EncoderConfig& config() const;
   GpuPrecision precision() const;
 
-  // Packs the parameters into the kernels' layouts on the device (synchronous). Must precede forward().
+  // Packs the parameters into the kernels' layouts on the device (synchronous). These values hold until the next
+  // set_weights or set_weights_device. One of them must precede forward().
   void set_weights(const EncoderParams<float>& params);
   // A per-channel affine map applied to the input as the stem reads it: v = x * scale[c] + shift[c]. This is how
   // uint8 renderer input is scaled by 1/255 and normalized exactly. Empty vectors restore the identity.
@@ -67,9 +68,12 @@ class EncoderGpu {
                                             const TuneProgress& progress = nullptr);
 
   // --- training step (forward + backward; encoder_train.cpp) ---------------------------------------------------
-  // Packs the parameters straight from device memory in PyTorch's layouts (what an optimizer holds), asynchronously
-  // on `stream`: params[i] is parameter i of config().parameter_specs(), contiguous, all of one dtype (F32, F16 or
-  // BF16). Call before every forward_train whose parameters may have changed. Replaces set_weights' values.
+  // Binds the parameters in device memory, in PyTorch's layouts (what an optimizer holds): params[i] is parameter i
+  // of config().parameter_specs(), contiguous, all of one dtype (F32, F16 or BF16). From then on every forward and
+  // forward_train computes with their current values, whatever wrote them: each starts with a fingerprint of their
+  // bytes on the device and repacks the weights where they changed (inside the captured graphs too; no host
+  // synchronisation). The memory must stay valid while bound; call again when a parameter moves (new storage or
+  // dtype: that call waits for the device). Replaces set_weights' values. `stream` is unused (kept for callers).
   void set_weights_device(const std::vector<const void*>& params, DType dtype, cudaStream_t stream);
   // The forward of a training step: y = encoder(x) as forward() computes it (same views and checks), keeping what
   // the backward needs (the spec's minimal stash, per input geometry). Returns the stash's id; the next

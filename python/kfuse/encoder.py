@@ -126,10 +126,11 @@ class _CudaTrainFunction(torch.autograd.Function):
         x, *params = ctx.saved_tensors  # autograd raises here if a parameter was modified in place since forward
         gpu = ctx.entry[0]
         stream = _cuda_stream(x.device)
-        if ctx.module._pack_device(ctx.entry, params, stream) or not gpu.stash_valid(ctx.stash):
-            # Another forward (other parameters, or the same input geometry) replaced what this one kept: recompute
-            # it from the saved input and parameters.
+        if ctx.module._bind(ctx.entry, params) or not gpu.stash_valid(ctx.stash):
+            # Another forward (other parameter tensors, or the same input geometry) replaced what this one kept:
+            # recompute it from the saved input and parameters.
             y = torch.empty(ctx.out_shape, dtype=ctx.out_dtype, device=x.device)
+            ResNetEncoder._stage(ctx.entry)
             ctx.stash = gpu.forward_train(x, y, stream)
         dy = dy.to(ctx.out_dtype).contiguous()
         sizes = [p.numel() for p in params]
@@ -278,11 +279,13 @@ class ResNetEncoder(reference.ResNetEncoder):
             params = _param_list(self, self.config)
             if x.requires_grad or any(p.requires_grad for p in params):
                 return self._forward_cuda_train(x, params)
-        # A call like the previous one launches first, with the weights the engine holds, and checks afterwards
-        # (while the GPU runs) that they are still this module's parameters: the parameter list and the weight stamp
-        # (~10-20 us of Python, PERF.md session 23) leave the latency's critical path. When a parameter changed, the
-        # call is redone on the full path below, after the engine repacked: the first launch's output is dropped
-        # (stream order makes that safe) and a changed model costs one extra forward on its first call.
+        # The engine reads the parameters' own device memory and checks their bytes on the device at every call
+        # (whatever wrote them: an optimizer, a copy through .data, a collective), so the host only has to know that
+        # the parameters are still the same tensors. A call like the previous one launches first and checks that
+        # afterwards (while the GPU runs): the parameter list (~10 us of Python) leaves the latency's critical path.
+        # When a parameter tensor was replaced, the call is redone on the full path below, after the engine rebound:
+        # the first launch's output is dropped (stream order makes that safe; the engine keeps the tensors it reads
+        # alive).
         fast = self.__dict__.get("_kfuse_fast_call")
         if fast is not None and fast[0] == (x.shape, x.stride(), x.dtype, x.device):
             _, gpu, spec, out_shape, out_dtype, index, entry, stamp, w_dtype = fast
@@ -290,15 +293,16 @@ class ResNetEncoder(reference.ResNetEncoder):
             gpu.run(spec, x.data_ptr(), y.data_ptr(), torch._C._cuda_getCurrentRawStream(index))
             if params is None:
                 params = _param_list(self, self.config)
-            if (entry[1] is stamp and params[0].dtype == w_dtype
-                    and stamp == (list(map(_DATA_PTR, params)), list(map(_VERSION, params)))):
+            if entry[1] is stamp and params[0].dtype == w_dtype and stamp == list(map(_DATA_PTR, params)):
                 return y
         if params is None:
             params = _param_list(self, self.config)
         gpu, spec, y, stream, entry = self._prepared_call(x, params, "_kfuse_last_call")
+        self._stage(entry)
         gpu.run(spec, x.data_ptr(), y.data_ptr(), stream)
-        # uint8 input also depends on the input normalization (checked on the full path only)
-        self.__dict__["_kfuse_fast_call"] = None if x.dtype == torch.uint8 else (
+        # uint8 input also depends on the input normalization (checked on the full path only); staged (non-contiguous)
+        # parameters are copied before each launch, on the full path.
+        self.__dict__["_kfuse_fast_call"] = None if x.dtype == torch.uint8 or entry[4] else (
             (x.shape, x.stride(), x.dtype, x.device), gpu, spec, y.shape, y.dtype, x.device.index or 0, entry,
             entry[1], params[0].dtype)
         return y
@@ -312,6 +316,7 @@ class ResNetEncoder(reference.ResNetEncoder):
             raise ValueError("training on CUDA needs the parameters in one dtype of float32, float16 or bfloat16; got "
                              + ", ".join(sorted({str(p.dtype) for p in params})))
         gpu, spec, y, stream, entry = self._prepared_call(x, params, "_kfuse_last_train_call")
+        self._stage(entry)
         stash = gpu.run_train(spec, x.data_ptr(), y.data_ptr(), stream)
         return _CudaTrainFunction.apply(self, entry, (stash, y), x, *params)
 
@@ -377,43 +382,50 @@ class ResNetEncoder(reference.ResNetEncoder):
         return rows
 
     def _gpu_engine(self, device: torch.device, precision: torch.dtype, params: list[torch.Tensor]):
-        """[engine, weight stamp, input affine] for (device, precision): a cached _C.EncoderGpu whose weights are
-        re-packed whenever a parameter changed (new storage or an in-place update)."""
+        """[engine, bound pointers, input affine, tensors kept alive, staged copies] for (device, precision): a cached
+        _C.EncoderGpu bound to the parameters' device memory (it follows every write to them by itself)."""
         key = (device.index, precision)
         engines = self.__dict__.setdefault("_gpu_engines", {})
-        # A parameter changed when its version moved (in-place update: optimizer step, load_state_dict) or its
-        # storage did (assignment, .data =); the entry keeps the stamped tensors alive, so that an address cannot be
-        # reused by another tensor while the stamp holds it.
-        stamp = (list(map(_DATA_PTR, params)), list(map(_VERSION, params)))
         entry = engines.get(key)
         if entry is None:
             name = "float16" if precision == torch.float16 else "bfloat16"
-            entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0), None, _NO_AFFINE, None]
-        if entry[1] != stamp:
-            if all(p.device == device for p in params):
-                self._pack_device(entry, params, _cuda_stream(device), stamp)
-            else:
+            entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0), None, _NO_AFFINE, None, None]
+        if all(p.device == device for p in params):
+            self._bind(entry, params)
+        else:
+            # Parameters elsewhere (tuning a CPU module on a GPU): their values are copied from the host, whenever a
+            # parameter's storage or version moved.
+            stamp = ("host", list(map(_DATA_PTR, params)), list(map(_VERSION, params)))
+            if entry[1] != stamp:
                 with torch.no_grad():
                     entry[0].set_weights([p.detach().float().cpu().contiguous() for p in params])
-                entry[1] = stamp
-                entry[3] = list(params)  # keeps the stamped storages alive
+                entry[1], entry[3], entry[4] = stamp, list(params), None
         return entry
 
     @staticmethod
-    def _pack_device(entry, params: list[torch.Tensor], stream: int, stamp=None) -> bool:
-        """Packs the parameters into the engine from device memory, on `stream`, unless the engine already holds
-        exactly these (same storages and versions: `stamp`, computed here when not given). Returns whether it
-        packed."""
-        if stamp is None:
-            stamp = (list(map(_DATA_PTR, params)), list(map(_VERSION, params)))
-        if entry[1] == stamp:
+    def _bind(entry, params: list[torch.Tensor]) -> bool:
+        """Binds the parameters' device memory to the engine, unless it is bound to exactly these tensors' storages
+        already; returns whether it bound. The engine then fingerprints their bytes on the device at every forward
+        and repacks what changed. A non-contiguous parameter (e.g. a channels_last filter) is read through a
+        contiguous copy that _stage refreshes before every launch."""
+        ptrs = list(map(_DATA_PTR, params))
+        if entry[1] == ptrs:
             return False
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _PARAM_DTYPE_NAMES:
             raise ValueError("the encoder's parameters must share one dtype of float32, float16 or bfloat16; got "
                              + ", ".join(sorted(map(str, dtypes))))
         src = [p.detach() if p.is_contiguous() else p.detach().contiguous() for p in params]
-        entry[0].set_weights_device([t.data_ptr() for t in src], _PARAM_DTYPE_NAMES[params[0].dtype], stream)
-        entry[1] = stamp
-        entry[3] = list(params) + src  # keeps the stamped storages (and contiguous copies) alive
+        entry[0].set_weights_device([t.data_ptr() for t in src], _PARAM_DTYPE_NAMES[params[0].dtype], 0)
+        entry[1] = ptrs
+        entry[3] = list(params) + src  # the bound storages stay alive while the engine reads them
+        entry[4] = [(s, p) for s, p in zip(src, params) if not p.is_contiguous()] or None
         return True
+
+    @staticmethod
+    def _stage(entry) -> None:
+        """Refreshes the contiguous copies of non-contiguous parameters (on the current stream, before a launch)."""
+        if entry[4]:
+            with torch.no_grad():
+                for copy, p in entry[4]:
+                    copy.copy_(p)

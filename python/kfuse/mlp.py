@@ -233,7 +233,7 @@ class FusedMLP(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(widths[i], widths[i + 1], bias=biases[i], dtype=dtype, device=device)
                                     for i in range(n_layers))
         self._engines: dict = {}
-        self._packed = None  # (key, packed tensor)
+        self._packed = None  # [key, packed inference buffer, weight views or None]
         # Kernel variants the GPU path uses for inference (forward) and for training (training forward and
         # backward), as tuples engine() takes. None: what tune() chose for the device and compute dtype, else the
         # heuristic default.
@@ -346,23 +346,39 @@ class FusedMLP(nn.Module):
             self._engines[key] = e
         return e
 
-    def _packed_weights(self, engine, params: list[torch.Tensor], compute_dtype: torch.dtype) -> torch.Tensor:
-        # Repacked when a parameter changed (optimizer steps bump _version) or was replaced. A new buffer each time:
-        # a pending backward keeps the one its forward used.
+    def _packed_weights(self, engine, params: list[torch.Tensor], compute_dtype: torch.dtype,
+                        train: bool = False) -> torch.Tensor:
+        # Packed on the device before every call (one small kernel), from the parameters' current memory: no write
+        # to a parameter, by whatever path (an optimizer, a copy through .data, a collective), can leave the kernels
+        # reading old weights. Where the parameters are contiguous in the compute dtype the pack reads them in place
+        # (the views are kept per set of parameter tensors); otherwise from fresh converted copies. A training call
+        # packs into a new buffer (a pending backward keeps the one its forward used); inference reuses its own.
         # Inference tensors (made under torch.inference_mode) cannot be saved for backward: not reused outside it.
-        key = (id(engine), torch.is_inference_mode_enabled(), tuple((p.data_ptr(), p._version) for p in params))
-        if self._packed is not None and self._packed[0] == key:
-            return self._packed[1]
+        key = (id(engine), torch.is_inference_mode_enabled(), tuple(map(torch.Tensor.data_ptr, params)))
+        cached = self._packed
+        if cached is None or cached[0] != key:
+            direct = all(p.dtype == compute_dtype and p.is_contiguous() for p in params)
+            views = self._weight_views(compute_dtype) if direct else None
+            cached = self._packed = [key, None, views]
         device = params[0].device
-        packed = torch.empty(engine.packed_weights_bytes(), dtype=torch.uint8, device=device)
+        ws, bs = cached[2] if cached[2] is not None else self._weight_views(compute_dtype)
+        packed = cached[1]
+        if packed is None or train:
+            packed = torch.empty(engine.packed_weights_bytes(), dtype=torch.uint8, device=device)
+            if not train:
+                cached[1] = packed
+        engine.pack_weights(ws, bs, packed, _cuda_stream(device))
+        return packed
+
+    def _weight_views(self, compute_dtype: torch.dtype) -> tuple[list, list]:
+        """The layers' weights and biases as contiguous tensors of the compute dtype (the parameters' own memory
+        where they already are)."""
         ws, bs = [], []
         with torch.no_grad():
             for layer in self.layers:
                 ws.append(layer.weight.detach().to(compute_dtype).contiguous())
                 bs.append(None if layer.bias is None else layer.bias.detach().to(compute_dtype).contiguous())
-            engine.pack_weights(ws, bs, packed, _cuda_stream(device))
-        self._packed = (key, packed)
-        return packed
+        return ws, bs
 
     # -- forward -------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -397,8 +413,8 @@ class FusedMLP(nn.Module):
             x2 = x2.clone()
         fwd_variant, bwd_variant = self._variants_for(device.index or 0, compute)
         engine = self.engine(device, compute, fwd_variant)
-        packed = self._packed_weights(engine, params, compute)
         train = torch.is_grad_enabled() and (x2.requires_grad or any(q.requires_grad for q in params))
+        packed = self._packed_weights(engine, params, compute, train)
         bwd_engine = self.engine(device, compute, bwd_variant) if train else engine
         y = _FusedFunction.apply((engine, bwd_engine, packed, train, self.output_width), x2, *params)
         if dtype != compute:
@@ -412,6 +428,14 @@ class FusedMLP(nn.Module):
         for layer, act in zip(self.layers, acts):
             h = act(layer(h))
         return h
+
+    def __getstate__(self):
+        # The compiled engines (device code, handles) and the packed buffer are rebuilt on demand, never copied or
+        # pickled: a deep copy (a target network) gets its own.
+        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
+        state["_engines"] = {}
+        state["_packed"] = None
+        return state
 
     def extra_repr(self) -> str:
         acts = ", ".join(a.name for a in self.activations)

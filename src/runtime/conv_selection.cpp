@@ -107,9 +107,9 @@ size_t prepared_filter_bytes(const ConvConfig& c, const Conv2dProblem& p, ConvDT
 }
 
 cudaError_t prepare_conv_filter(const ConvConfig& c, const Conv2dProblem& p, ConvDType dtype, const void* w,
-                                void* dst, cudaStream_t stream) {
+                                void* dst, cudaStream_t stream, const unsigned* run_flag) {
   if (!(c.dense && c.unrolled)) return cudaErrorInvalidValue;
-  return kernels::dense_conv_unroll_filter(p, dtype, w, dst, stream);
+  return kernels::dense_conv_unroll_filter(p, dtype, w, dst, stream, run_flag);
 }
 
 std::string conv_shape_key(const Conv2dProblem& p) {

@@ -59,7 +59,7 @@ cudaError_t run_fixup_conv(const ConvConfig& c, const kernels::Conv2dProblem& p,
 // bytes, 16-byte aligned; asynchronous on `stream`). Rerun it whenever w changes.
 size_t prepared_filter_bytes(const ConvConfig& c, const kernels::Conv2dProblem& p, kernels::ConvDType dtype);
 cudaError_t prepare_conv_filter(const ConvConfig& c, const kernels::Conv2dProblem& p, kernels::ConvDType dtype,
-                                const void* w, void* dst, cudaStream_t stream);
+                                const void* w, void* dst, cudaStream_t stream, const unsigned* run_flag = nullptr);
 
 // "n128_h16_w16_c64_k64_r3_s3_p1_u1": the problem as a tuning-cache shape.
 std::string conv_shape_key(const kernels::Conv2dProblem& p);

@@ -33,7 +33,12 @@ std::string capture_forward(EncoderGpu::Impl& m, const Geometry& g, const kernel
   cudaGraphExec_t exec = nullptr;
   cudaGraph_t graph = nullptr;  // kept: the stem's and tail's parameters are read back when the caller's pointers move
   const std::string why =
-      capture_graph([&](cudaStream_t cs) { m.launch(g, stem, tail, cs, &ends); }, &exec, &graph);
+      capture_graph(
+          [&](cudaStream_t cs) {
+            m.sync_weights(cs);
+            m.launch(g, stem, tail, cs, &ends);
+          },
+          &exec, &graph);
   if (!why.empty()) return why;
   if (!ends.stem || !ends.tail) {
     cudaGraphExecDestroy(exec);
@@ -114,6 +119,7 @@ EncoderGpu::~EncoderGpu() {
   m.training.reset();
   for (auto& [k, a] : m.activations) cudaFree(a.base);
   cudaFree(m.weights);
+  cudaFree(m.d_pack_jobs);
   cudaFree(m.input_affine);
   cudaFree(m.conv_workspace);
   for (auto& [k, f] : m.prepared) cudaFree(f.data);
@@ -241,6 +247,10 @@ void EncoderGpu::set_weights(const EncoderParams<float>& params) {
   // Forwards in flight on any stream (the caller's may be non-blocking) still read the old weights.
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   check_cuda(cudaMemcpy(m.weights, hw.bytes().data(), hw.bytes().size(), cudaMemcpyHostToDevice), "cudaMemcpy");
+  if (m.watch.watching()) {  // these values hold until the next set_weights; graphs stop checking the old memory
+    m.watch.unwatch();
+    m.clear_graphs();
+  }
   m.remake_prepared_filters(nullptr);
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   if (!m.have_weights) set_input_affine({}, {});
@@ -282,6 +292,7 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
   tail.out_f32 = y.dtype == DType::F32;
 
   if (!m.use_graphs) {
+    m.sync_weights(stream);
     m.launch(g, stem, tail, stream);
     return;
   }
@@ -290,6 +301,7 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
   if (it == m.graphs.end() && m.graph_warm.insert(key).second) {
     // First call of this kind: eager, so that lazy module loading and libraries' first-call work (cuDNN's, when the
     // tuner chose it) happen outside a capture; captured on the next call.
+    m.sync_weights(stream);
     m.launch(g, stem, tail, stream);
     return;
   }

@@ -16,6 +16,7 @@
 #include "kernels/conv/cudnn_fused.h"
 #include "kernels/conv/dense_conv.h"
 #include "kernels/encoder/encoder_kernels.h"
+#include "kernels/encoder/weight_layout.h"
 #include "kernels/programmatic_launch.h"
 #include "kfuse/encoder_gpu.h"
 #include "kfuse/error.h"
@@ -23,6 +24,7 @@
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
 #include "runtime/launch_graph_cache.h"
+#include "runtime/weight_watch.h"
 #include "runtime/half_bits.h"
 
 namespace kfuse {
@@ -334,6 +336,25 @@ struct EncoderGpu::Impl {
     }
   }
 
+  // Parameters bound in device memory (set_weights_device): each forward and training forward starts with a check
+  // of their bytes on the device, and the repack below runs where they changed (runtime/weight_watch.h), so that no
+  // write to a parameter can leave the packed weights stale. The pack job table: one job per packed array.
+  WeightWatch watch;
+  std::vector<kernels::PackJob> pack_jobs;
+  kernels::PackJob* d_pack_jobs = nullptr;
+
+  // Everything derived from the parameters: the packed weights, then the prepared filters from them. Its kernels
+  // return at once when *run_flag is 0 (null: always run).
+  void repack(cudaStream_t stream, const unsigned* run_flag) {
+    check_cuda(kernels::launch_pack_params(d_pack_jobs, int(pack_jobs.size()), weights, dtype, stream, run_flag),
+               "parameter packing kernel");
+    remake_prepared_filters(stream, run_flag);
+  }
+  // A forward's first step: the packed weights brought up to date with the bound parameters, on `stream`.
+  void sync_weights(cudaStream_t stream) {
+    watch.check(stream, [this](cudaStream_t s, const unsigned* run_flag) { repack(s, run_flag); });
+  }
+
   void clear_graphs() {
     for (auto& [k, g] : graphs) {
       cudaGraphExecDestroy(g.exec);
@@ -525,7 +546,7 @@ struct EncoderGpu::Impl {
     return it != prepared.end() && it->second.extra_rows > 0 ? &it->second : nullptr;
   }
   // The projection rows and w1's row sums of prepared filter f (after its unrolled filter was made), on `stream`.
-  void make_squeeze_projection(const PreparedFilter& f, cudaStream_t stream) {
+  void make_squeeze_projection(const PreparedFilter& f, cudaStream_t stream, const unsigned* run_flag = nullptr) {
     const Conv2dProblem& p = f.problem;
     kernels::SqueezeProjectionArgs a;
     a.wd = f.data;
@@ -536,6 +557,7 @@ struct EncoderGpu::Impl {
     a.w1 = fptr(bw[f.block].fc1_w);
     a.proj = static_cast<uint8_t*>(f.data) + size_t(a.po_count) * a.k * a.kd * 2;
     a.rowsum = reinterpret_cast<float*>(static_cast<uint8_t*>(f.data) + f.rowsum_at);
+    a.run_flag = run_flag;
     check_cuda(kernels::launch_squeeze_projection(a, dtype, stream), "squeeze projection kernel");
   }
 
@@ -546,6 +568,7 @@ struct EncoderGpu::Impl {
     check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
     if (capture != cudaStreamCaptureStatusNone) return;
     int h = g.h / 4, w = g.w / 4;
+    const size_t before = prepared.size();
     for (size_t i = 0; i < blocks.size(); ++i) {
       const auto probs = problems(blocks[i], g.n, h, w);
       for (size_t j = 0; j < probs.size(); ++j) {
@@ -571,13 +594,16 @@ struct EncoderGpu::Impl {
       w /= blocks[i].stride;
     }
     prepared_for.insert(g);
+    // Captured graphs repack the prepared filters that existed when they were captured: recapture them all, so that
+    // every graph's repack covers the new ones too.
+    if (prepared.size() != before) clear_graphs();
   }
-  // After the weights changed, on the stream that changed them (asynchronous).
-  void remake_prepared_filters(cudaStream_t stream) {
+  // After the weights changed, on the stream that changed them (asynchronous); run_flag as for repack().
+  void remake_prepared_filters(cudaStream_t stream, const unsigned* run_flag = nullptr) {
     for (auto& [k, f] : prepared) {
-      check_cuda(prepare_conv_filter(f.config, f.problem, dtype, wptr(f.w), f.data, stream),
+      check_cuda(prepare_conv_filter(f.config, f.problem, dtype, wptr(f.w), f.data, stream, run_flag),
                  "preparing the filter of " + f.config.name());
-      if (f.extra_rows > 0) make_squeeze_projection(f, stream);  // from the new fc1 weights too
+      if (f.extra_rows > 0) make_squeeze_projection(f, stream, run_flag);  // from the new fc1 weights too
     }
   }
 

@@ -64,9 +64,8 @@ struct TrainingState {
   // Parameter order and flat-gradient offsets (parameter_specs order).
   std::unordered_map<std::string, size_t> index;
   std::vector<int64_t> grad_offset;
-  // Device job tables, re-uploaded only when their contents change.
-  std::vector<PackJob> pack_jobs;
-  PackJob* d_pack_jobs = nullptr;
+  std::vector<int64_t> param_numel;
+  // Device job table of the gradients' layouts, re-uploaded only when its contents change.
   std::vector<GradJob> grad_jobs;
   GradJob* d_grad_jobs = nullptr;
   size_t grad_job_capacity = 0;
@@ -95,7 +94,6 @@ struct TrainingState {
 
   ~TrainingState() {
     for (auto& [g, b] : buffers) cudaFree(b.base);
-    cudaFree(d_pack_jobs);
     cudaFree(d_grad_jobs);
     cudaFree(scratch);
     for (cudaEvent_t e : wgrad_fork) cudaEventDestroy(e);
@@ -118,6 +116,7 @@ ParamDType param_dtype(DType d) {
     default: throw InvalidArgument(std::string("kfuse: parameters must be F32, F16 or BF16, got ") + dtype_name(d));
   }
 }
+size_t param_dtype_bytes(ParamDType d) { return d == ParamDType::kF32 ? 4 : 2; }
 
 }  // namespace
 }  // namespace gpu_detail
@@ -152,6 +151,7 @@ TrainingState& training(EncoderGpu::Impl& m) {
       t.grad_offset.push_back(off);
       int64_t numel = 1;
       for (int64_t d : specs[i].shape) numel *= d;
+      t.param_numel.push_back(numel);
       off += numel;
     }
   }
@@ -450,23 +450,30 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
     for (int s = 0; s < 5; ++s) add(src(b.prefix + scalars[s]), W.scalars + 4 * s, 1, PackKind::kCopyF32);
   }
   Impl::Device scope(m.device);
-  const bool same = jobs.size() == t.pack_jobs.size() &&
-                    std::memcmp(jobs.data(), t.pack_jobs.data(), jobs.size() * sizeof(PackJob)) == 0;
+  const bool same = jobs.size() == m.pack_jobs.size() &&
+                    std::memcmp(jobs.data(), m.pack_jobs.data(), jobs.size() * sizeof(PackJob)) == 0;
   if (!same) {
     // The table changes only when a parameter moved (new storage or dtype): upload it synchronously (rare).
-    if (t.d_pack_jobs == nullptr || jobs.size() > t.pack_jobs.size()) {
-      cudaFree(t.d_pack_jobs);
-      t.d_pack_jobs = nullptr;
-      check_cuda(cudaMalloc(&t.d_pack_jobs, jobs.size() * sizeof(PackJob)), "cudaMalloc (pack jobs)");
-    }
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // packs in flight read the old table
-    check_cuda(cudaMemcpy(t.d_pack_jobs, jobs.data(), jobs.size() * sizeof(PackJob), cudaMemcpyHostToDevice),
+    if (m.d_pack_jobs == nullptr || jobs.size() > m.pack_jobs.size()) {
+      cudaFree(m.d_pack_jobs);
+      m.d_pack_jobs = nullptr;
+      check_cuda(cudaMalloc(&m.d_pack_jobs, jobs.size() * sizeof(PackJob)), "cudaMalloc (pack jobs)");
+    }
+    check_cuda(cudaMemcpy(m.d_pack_jobs, jobs.data(), jobs.size() * sizeof(PackJob), cudaMemcpyHostToDevice),
                "cudaMemcpy (pack jobs)");
-    t.pack_jobs = jobs;
+    m.pack_jobs = jobs;
   }
-  check_cuda(kernels::launch_pack_params(t.d_pack_jobs, int(jobs.size()), m.weights, m.dtype, stream),
-             "parameter packing kernel");
-  m.remake_prepared_filters(stream);  // the inference forward's, from the new filters
+  std::vector<kernels::WatchedRegion> regions;
+  for (size_t i = 0; i < params.size(); ++i)
+    regions.push_back({params[i], size_t(t.param_numel[i]) * param_dtype_bytes(pd)});
+  // Captured graphs hold the watch's chunk table, or no check at all (weights from set_weights): recapture them.
+  if (m.watch.watch(regions, m.sm_count))
+    m.clear_graphs();
+  else if (!same)
+    m.watch.invalidate();
+  // The forwards repack from these parameters whenever they change; this call's stream needs nothing now.
+  (void)stream;
   if (!m.have_weights) set_input_affine({}, {});
   m.have_weights = true;
 }
@@ -491,7 +498,13 @@ uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensor
                             reinterpret_cast<int64_t>(y.data), int64_t(y.dtype)};
   key.insert(key.end(), x.strides.begin(), x.strides.end());
   tb.stash = 0;  // the previous forward's saved state is being overwritten: its backward must not run on it
-  m.train_graphs.run(key, stream, [&](cudaStream_t s) { m.launch(g, tb.act, stem, tail, s); }, m.use_graphs);
+  m.train_graphs.run(
+      key, stream,
+      [&](cudaStream_t s) {
+        m.sync_weights(s);
+        m.launch(g, tb.act, stem, tail, s);
+      },
+      m.use_graphs);
   tb.stash = t.next_stash++;
   tb.y_dtype = y.dtype;
   return tb.stash;

@@ -44,7 +44,9 @@ __device__ __forceinline__ int tap(const Geo& p, int ph, int pw, int qh, int qw)
 
 // Wd[po][k][q][c] (row-major [nd][kd]) from w[k][r][s][c]: one thread per 8 channels (16 bytes), one (po, k) row
 // per blockIdx.y (32-bit index arithmetic: 64-bit divisions made this gather 2x slower than its bytes).
-__global__ void __launch_bounds__(256) unroll_filter_kernel(Geo p, const uint4* w, uint4* wd) {
+__global__ void __launch_bounds__(256) unroll_filter_kernel(Geo p, const uint4* w, uint4* wd,
+                                                            const unsigned* run_flag) {
+  if (run_flag && *run_flag == 0) return;
   const int c8 = p.c / 8, row_vecs = p.h * p.w * c8;
   const int row = blockIdx.y, k = row % p.k, po = row / p.k;
   const int ph = po / p.q, pw = po % p.q;
@@ -143,11 +145,12 @@ size_t dense_conv_unrolled_filter_bytes(const Conv2dProblem& p, ConvDType) {
 }
 
 cudaError_t dense_conv_unroll_filter(const Conv2dProblem& p, ConvDType dtype, const void* w, void* wd,
-                                     cudaStream_t stream) {
+                                     cudaStream_t stream, const unsigned* run_flag) {
   if (!valid_args(p, dtype, {w, wd})) return cudaErrorInvalidValue;
   const Dims d = dims(p);
   const dim3 grid(unsigned((d.kd / 8 + 255) / 256), unsigned(d.nd));
-  unroll_filter_kernel<<<grid, 256, 0, stream>>>(geo(p), static_cast<const uint4*>(w), static_cast<uint4*>(wd));
+  unroll_filter_kernel<<<grid, 256, 0, stream>>>(geo(p), static_cast<const uint4*>(w), static_cast<uint4*>(wd),
+                                                  run_flag);
   return cudaGetLastError();
 }
 

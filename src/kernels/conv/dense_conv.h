@@ -34,8 +34,10 @@ cudaError_t dense_conv_fprop(const Conv2dProblem& p, ConvDType dtype, const void
 // filters of its weights). wd: dense_conv_unrolled_filter_bytes of T, 16-byte aligned; the fprop's workspace is
 // cuBLAS's only.
 size_t dense_conv_unrolled_filter_bytes(const Conv2dProblem& p, ConvDType dtype);
+// run_flag: where non-null, the kernel returns at once unless *run_flag != 0 (a weight repack that runs only when the
+// parameters changed).
 cudaError_t dense_conv_unroll_filter(const Conv2dProblem& p, ConvDType dtype, const void* w, void* wd,
-                                     cudaStream_t stream);
+                                     cudaStream_t stream, const unsigned* run_flag = nullptr);
 // extra_rows: wd holds that many more rows after the unrolled filter's Ho*Wo*K (the caller's: e.g. the squeeze
 // projection of encoder_kernels.h), and y's image rows are Ho*Wo*K + extra_rows long, the extra outputs last.
 // (Ho*Wo*K + extra_rows) % 8 == 0.

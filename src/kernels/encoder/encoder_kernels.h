@@ -75,13 +75,18 @@ cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& args, ConvDType dtype
 // Wbar[k] = (1 / (Ho*Wo)) sum over po of Wd[po*K + k], so fc1's pre-activation (without scale, b2b, b1) is
 // x . proj[j] with proj[j] = sum over k of w1[j][k] Wbar[k]: `hidden` more rows of the GEMM (PERF.md session 28).
 // wd: the unrolled filter, row-major [po_count * k][kd] of T; w1: fc1's weight [hidden][k] fp32. Writes proj
-// ([hidden][kd] of T, rounded once from fp32 sums) and rowsum[j] = sum over k of w1[j][k] (fp32).
+// ([hidden][kd] of T, rounded once from fp32 sums) and rowsum[j] = sum over k of w1[j][k] (fp32). The same bits on
+// every run (a fixed summation order, squeeze_projection.cu). Shapes: k % 4 == 0, kd % 8 == 0, any po_count and
+// hidden >= 1; wd, w1 and proj 16-byte aligned. Anything else returns cudaErrorInvalidValue before any launch.
+// run_flag (optional, device memory): where non-null and *run_flag == 0 when the kernel runs, it returns at once and
+// writes nothing (the caller skips the remake on the device when the weights it derives from did not change).
 struct SqueezeProjectionArgs {
   const void* wd = nullptr;
   int po_count = 0, k = 0, kd = 0, hidden = 0;
   const float* w1 = nullptr;
   void* proj = nullptr;
   float* rowsum = nullptr;
+  const unsigned* run_flag = nullptr;
 };
 cudaError_t launch_squeeze_projection(const SqueezeProjectionArgs& args, ConvDType dtype, cudaStream_t stream);
 

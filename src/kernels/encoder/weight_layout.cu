@@ -27,7 +27,9 @@ __device__ inline float load_param(const void* src, ParamDType dt, int64_t i) {
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) pack_params_kernel(const PackJob* jobs, uint8_t* base) {
+__global__ void __launch_bounds__(kThreads) pack_params_kernel(const PackJob* jobs, uint8_t* base,
+                                                               const unsigned* run_flag) {
+  if (run_flag && *run_flag == 0) return;
   const PackJob j = jobs[blockIdx.y];
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < j.count; i += stride) {
@@ -188,14 +190,15 @@ __global__ void sum_partials_kernel(const float* partials, int count, float* out
 
 }  // namespace
 
-cudaError_t launch_pack_params(const PackJob* jobs, int count, void* dst_base, ConvDType dtype, cudaStream_t stream) {
+cudaError_t launch_pack_params(const PackJob* jobs, int count, void* dst_base, ConvDType dtype, cudaStream_t stream,
+                               const unsigned* run_flag) {
   if (count <= 0 || jobs == nullptr || dst_base == nullptr || count > 65535) return cudaErrorInvalidValue;
   const dim3 grid(kPackCtasPerJob, count);
   auto* base = static_cast<uint8_t*>(dst_base);
   if (dtype == ConvDType::kF16)
-    pack_params_kernel<__half><<<grid, kThreads, 0, stream>>>(jobs, base);
+    pack_params_kernel<__half><<<grid, kThreads, 0, stream>>>(jobs, base, run_flag);
   else
-    pack_params_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(jobs, base);
+    pack_params_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(jobs, base, run_flag);
   return cudaGetLastError();
 }
 

@@ -36,7 +36,9 @@ struct PackJob {
   int32_t k0 = 0;                      // kTapPlanes: the first output channel
 };
 // jobs: device array of `count` PackJob.
-cudaError_t launch_pack_params(const PackJob* jobs, int count, void* dst_base, ConvDType dtype, cudaStream_t stream);
+// run_flag: where non-null, the kernel returns at once unless *run_flag != 0.
+cudaError_t launch_pack_params(const PackJob* jobs, int count, void* dst_base, ConvDType dtype, cudaStream_t stream,
+                               const unsigned* run_flag = nullptr);
 
 // One weight gradient from the kernels' KRSC sums (fp32 from kfuse's CUTLASS wgrad, or T from cuDNN's: g_is_t)
 // into PyTorch's layout in the flat fp32 gradient buffer.

@@ -1,0 +1,90 @@
+"""GPU tier: every parameter gradient of the fused training step is as accurate as PyTorch's own mixed precision
+(skipped without a CUDA GPU).
+
+On random problems (in_channels C in {1, 3, 11}, batch N in {1, 33, 100}, inputs 64 x 64 and 96 x 64, fp16 and bf16)
+each parameter's gradient, separately, must be within 3x of the error of plain PyTorch in the same dtype, both
+measured normwise against float64 PyTorch; or within TOL (the floor of test_gpu_training, 2e-2: fp16 / bf16
+activations and activation gradients with fp32 accumulation, which that file justifies), whichever is larger.
+PyTorch's error is the largest of three realizations (cuDNN NCHW, cuDNN channels_last, PyTorch's native
+convolutions), which round differently (torch_mixed_grads). Unlike test_gpu_training.assert_grads_close, the FixUp
+scalars get the same 3x (not TORCH_FACTOR_SCALAR = 10x).
+
+fp16: float32 parameters computed in fp16 (like autocast); bf16: bfloat16 parameters (the float64 reference then runs
+on the same rounded parameters). dL/dy is random with mean 1 (loss_gradient) and zeroed near the last ReLU's threshold
+(away_from_kinks), as in test_gpu_training.
+"""
+
+import pytest
+import torch
+from conftest import rel_err
+
+import kfuse
+from test_gpu_training import (TOL, away_from_kinks, kfuse_grads, loss_gradient, reference_grads,
+                               torch_mixed_grads)
+
+pytestmark = pytest.mark.skipif(not kfuse.cuda_available(), reason="needs a CUDA GPU and a CUDA build of kfuse")
+
+FACTOR = 3.0  # kfuse's error may be at most FACTOR x PyTorch's own (or TOL)
+OUT_TOL = 1e-2  # the output, as in test_gpu_training
+DEVICE = "cuda"
+# The known failing case: 96 x 64 input, C = 11, N = 100, fp16. Reported: kfuse's layers.1.0.fixup_bias2a gradient
+# 0.92 off float64 where PyTorch's fp16 is 0.07 off. (The seeds here follow test_gpu_training's 2000 + 10 C + N; the
+# numbers of the report may come from another draw.)
+KNOWN_FAILING = "fp16-96x64-c11-n100"
+
+
+def _loss_gradient(n: int, h: int, w: int, gen: torch.Generator) -> torch.Tensor:
+    """loss_gradient (random, mean 1) for an output of n x 512 x h/32 x w/32."""
+    if (h, w) == (64, 64):
+        return loss_gradient(n, gen)
+    return torch.randn(n, 512, h // 32, w // 32, generator=gen) + 1.0
+
+
+def _cases():
+    for precision in (torch.float16, torch.bfloat16):
+        for h, w in ((64, 64), (96, 64)):
+            for c in (1, 3, 11):
+                for n in (1, 33, 100):
+                    name = f"{'fp16' if precision == torch.float16 else 'bf16'}-{h}x{w}-c{c}-n{n}"
+                    yield pytest.param(precision, h, w, c, n, id=name)  # KNOWN_FAILING among them
+
+
+@pytest.mark.parametrize("precision,h,w,c,n", list(_cases()))
+def test_every_gradient_within_3x_of_pytorch_mixed_precision(make_reference, precision, h, w, c, n):
+    seed = 2000 + 10 * c + n  # test_gpu_training's (and scripts/grad_calibration.py's) problems at 64 x 64
+    ref = make_reference(in_channels=c, seed=seed)
+    if precision == torch.bfloat16:
+        ref = ref.to(torch.bfloat16)  # the reference then runs on the same (rounded) parameters, in float64
+    enc = kfuse.ResNetEncoder.from_torch(ref).to(DEVICE).train()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, c, h, w, generator=gen)
+    dy = away_from_kinks(ref, x, _loss_gradient(n, h, w, gen))
+    y_ref, g_ref, _ = reference_grads(ref, x, dy)
+    y, g, _ = kfuse_grads(enc, x.to(DEVICE, ref.stem[1].weight.dtype), dy.to(DEVICE))
+    assert y.shape == y_ref.shape
+    out_err = rel_err(y, y_ref)
+    assert out_err <= OUT_TOL, f"output off by {out_err:.2e}"
+    mixed = torch_mixed_grads(ref, x, dy, precision, realizations=3)
+
+    rows, bad = [], []
+    for name, want in g_ref.items():
+        assert g[name].shape == want.shape, name
+        err = rel_err(g[name], want)
+        torch_err = max(rel_err(m[name], want) for m in mixed)
+        bound = max(TOL, FACTOR * torch_err)
+        rows.append(f"{name}: kfuse {err:.2e}, torch {torch_err:.2e}, bound {bound:.1e}")
+        if not err <= bound:  # NaN fails
+            bad.append(rows[-1])
+
+    def flat(d):
+        return torch.cat([d[k].detach().double().flatten().cpu() for k in g_ref])
+
+    whole = rel_err(flat(g), flat(g_ref))
+    whole_torch = max(rel_err(flat(m), flat(g_ref)) for m in mixed)
+    whole_bound = max(TOL, FACTOR * whole_torch)
+    if not whole <= whole_bound:
+        bad.append(f"whole gradient: kfuse {whole:.2e}, torch {whole_torch:.2e}, bound {whole_bound:.1e}")
+    case = f"{'fp16' if precision == torch.float16 else 'bf16'}-{h}x{w}-c{c}-n{n}"
+    known = " (the known failing case, KNOWN_FAILING)" if case == KNOWN_FAILING else ""
+    assert not bad, (f"{len(bad)} gradients beyond {FACTOR:g}x PyTorch's error (or {TOL}){known}:\n  "
+                     + "\n  ".join(bad))
