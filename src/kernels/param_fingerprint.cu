@@ -5,7 +5,6 @@
 #include "kernels/param_fingerprint.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace kfuse::kernels {
 namespace {
@@ -21,7 +20,6 @@ __device__ __forceinline__ unsigned long long mix(unsigned long long w, unsigned
   return z ^ (z >> 31);
 }
 
-template <bool kCached>
 __device__ unsigned long long chunk_sum16(const FingerprintChunk& c) {
   const uint4* p = static_cast<const uint4*>(c.ptr);
   unsigned long long s = 0;
@@ -30,7 +28,9 @@ __device__ unsigned long long chunk_sum16(const FingerprintChunk& c) {
 #pragma unroll
     for (int u = 0; u < kLoadsPerThread; ++u) {
       const int64_t j = j0 + u * kThreads + threadIdx.x;
-      v[u] = j < c.words ? (kCached ? __ldg(p + j) : __ldcs(p + j)) : make_uint4(0, 0, 0, 0);
+      // Streaming loads: the parameters are read once per forward; the forward's own data keeps the L2 (loads that
+      // stay cached measured no faster back to back on an H200: 79.0 against 77.8 us per batch-128 forward).
+      v[u] = j < c.words ? __ldcs(p + j) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kLoadsPerThread; ++u) {
@@ -63,7 +63,6 @@ __device__ unsigned long long block_sum(unsigned long long v) {
   return v;  // valid in thread 0
 }
 
-template <bool kCached>
 __global__ void __launch_bounds__(kThreads) fingerprint_kernel(const FingerprintChunk* chunks, int count,
                                                                FingerprintState* state,
                                                                cudaGraphConditionalHandle handle,
@@ -71,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) fingerprint_kernel(const Fingerprint
   unsigned long long s = 0;
   for (int i = blockIdx.x; i < count; i += gridDim.x) {
     const FingerprintChunk c = chunks[i];
-    s += c.word_bytes == 16 ? chunk_sum16<kCached>(c) : chunk_sum2(c);
+    s += c.word_bytes == 16 ? chunk_sum16(c) : chunk_sum2(c);
   }
   s = block_sum(s);
   if (threadIdx.x != 0) return;
@@ -116,11 +115,7 @@ cudaError_t launch_param_fingerprint(const FingerprintChunk* chunks, int count, 
                                      cudaStream_t stream) {
   if (!chunks || !state || count < 1) return cudaErrorInvalidValue;
   const int grid = std::min(count, 8 * std::max(sm_count, 1));  // 8 CTAs of 256 threads fit an SM
-  static const bool cached = [] { const char* v = std::getenv("KFUSE_TMP_FP_CACHED"); return v && *v == '1'; }();  // TEMP A/B
-  if (cached)
-    fingerprint_kernel<true><<<grid, kThreads, 0, stream>>>(chunks, count, state, handle, set_conditional);
-  else
-    fingerprint_kernel<false><<<grid, kThreads, 0, stream>>>(chunks, count, state, handle, set_conditional);
+  fingerprint_kernel<<<grid, kThreads, 0, stream>>>(chunks, count, state, handle, set_conditional);
   return cudaGetLastError();
 }
 

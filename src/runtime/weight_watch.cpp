@@ -1,7 +1,6 @@
 #include "runtime/weight_watch.h"
 
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 
 #include "runtime/cuda_check.h"
@@ -53,7 +52,6 @@ void WeightWatch::invalidate() {
 
 void WeightWatch::check(cudaStream_t stream, const Repack& repack) {
   if (count_ == 0) return;
-  if (const char* v = std::getenv("KFUSE_TMP_NO_IF"); v && *v == '1') conditional_nodes_ = false;  // TEMP A/B
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
   if (capture == cudaStreamCaptureStatusActive && conditional_nodes_ && check_captured(stream, repack)) return;
