@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from . import _C, reference
+from . import _C, _script, ops, reference  # noqa: F401  (ops registers torch.ops.kfuse)
 
 __all__ = ["ResNetEncoder", "format_tuning_table", "tuning_verdict"]
 
@@ -81,25 +81,6 @@ def _param_list(module: nn.Module, config) -> list[torch.Tensor]:
     return [m._parameters[attr] for m, attr in slots[1]]
 
 
-class _ReferenceFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, config, x, *params):
-        ctx.config = config
-        ctx.save_for_backward(x, *params)
-        y = x.new_empty(_C.output_shape(config, list(x.shape)))
-        _C.reference_forward(config, [p.detach() for p in params], x.detach(), y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, *params = ctx.saved_tensors
-        grads = [torch.empty_like(p) for p in params]
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[1] else None
-        _C.reference_backward(ctx.config, [p.detach() for p in params], x.detach(),
-                              grad_output.detach().contiguous(), grads, grad_x)
-        return (None, grad_x, *[g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:])])
-
-
 _PARAM_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -153,6 +134,7 @@ class ResNetEncoder(reference.ResNetEncoder):
 
     def __init__(self, in_channels: int = 3, base_planes: int = 64, layers: Sequence[int] = (1, 1, 1, 1)):
         super().__init__(in_channels, base_planes, layers)
+        self._kfuse_uid = _script.register(self)
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -235,11 +217,28 @@ class ResNetEncoder(reference.ResNetEncoder):
 
     # -- forward -----------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # TorchScript compiles the first branch only: the module's work stays in Python (_forward_python), which a
+        # scripted program calls back into (kfuse/_script.py; the stem's weight lets it check whose parameters those
+        # are). Eager calls and torch.compile take the second, with no extra attribute lookups on the hot path.
+        if torch.jit.is_scripting():
+            return self._forward_python(x, self.stem[1].weight)
+        return self._forward(x)
+
+    @torch.jit.ignore
+    def _forward_python(self, x, witness):  # unannotated: TorchScript takes them as Tensors -> Tensor
+        return _script.python_module(self, ResNetEncoder, witness, lambda m: m.stem[1].weight)._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"ResNetEncoder expects a torch.Tensor, got {type(x).__name__}")
         x = self._as_nchw(x)
         if x.device.type == "cuda":
             return self._forward_cuda(x)
+        if torch.compiler.is_compiling():
+            # Traced by torch.compile / torch.export: the dispatcher's op, with plain-Python checks only.
+            params = list(self.parameters())
+            x = self._cpu_input(x, params[0].dtype)
+            return torch.ops.kfuse.encoder_forward(x, params, *self._op_config())
         self._check_input(x)
         if x.device.type != "cpu":
             raise NotImplementedError(f"kfuse.ResNetEncoder runs on CPU and CUDA tensors, not {x.device}")
@@ -250,13 +249,23 @@ class ResNetEncoder(reference.ResNetEncoder):
                              "(call .float() or .double())")
         if any(p.dtype != dtype for p in params):
             raise ValueError("the encoder's parameters have mixed dtypes; call .float() or .double()")
-        if x.dtype == torch.uint8:
-            scale, shift = self._uint8_affine()
-            x = x.to(dtype) * torch.tensor(scale, dtype=dtype).view(1, -1, 1, 1) + \
-                torch.tensor(shift, dtype=dtype).view(1, -1, 1, 1)
+        x = self._cpu_input(x, dtype)
         if x.dtype != dtype:
             raise ValueError(f"input dtype {x.dtype} does not match the parameters' dtype {dtype}")
-        return _ReferenceFunction.apply(self.config, x.contiguous(), *params)
+        return torch.ops.kfuse.encoder_forward(x.contiguous(), params, *self._op_config())
+
+    def _op_config(self) -> tuple[int, int, list[int]]:
+        """The encoder's configuration as the dispatcher's ops take it (in_channels, base_planes, layers)."""
+        c = self.config
+        return c[0], c[1], list(c[2])
+
+    def _cpu_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """uint8 renderer input normalized as the stem reads it on the GPU; other inputs as they are."""
+        if x.dtype != torch.uint8:
+            return x
+        scale, shift = self._uint8_affine()
+        return x.to(dtype) * torch.tensor(scale, dtype=dtype).view(1, -1, 1, 1) + \
+            torch.tensor(shift, dtype=dtype).view(1, -1, 1, 1)
 
     def __getstate__(self):
         # The cached GPU engines (device memory, CUDA graphs) are rebuilt on demand, never copied or pickled.
@@ -265,6 +274,10 @@ class ResNetEncoder(reference.ResNetEncoder):
         for key in ("_gpu_engines", "_kfuse_last_call", "_kfuse_last_train_call", "_kfuse_fast_call"):
             state.pop(key, None)  # engines, and prepared calls that point into them
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._kfuse_uid = _script.register(self)  # a copy is a module of its own (kfuse/_script.py)
 
     # -- CUDA inference ------------------------------------------------------------------------------------------
     def _gpu_precision(self) -> torch.dtype:

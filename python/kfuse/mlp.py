@@ -14,7 +14,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from . import _C
+from . import _C, _script
 
 __all__ = ["FusedMLP", "Activation"]
 
@@ -240,6 +240,7 @@ class FusedMLP(nn.Module):
         self.variant: tuple | None = None
         self.backward_variant: tuple | None = None
         self._tuned: dict = {}  # (device index, compute dtype) -> (forward variant, backward variant)
+        self._kfuse_uid = _script.register(self)
 
     # -- construction --------------------------------------------------------------------------------------------
     @classmethod
@@ -382,6 +383,18 @@ class FusedMLP(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # TorchScript compiles the first branch only: the module's work stays in Python (_forward_python), which a
+        # scripted program calls back into (kfuse/_script.py; the first weight lets it check whose parameters those
+        # are). Eager calls and torch.compile take the second, with no extra attribute lookups on the hot path.
+        if torch.jit.is_scripting():
+            return self._forward_python(x, self.layers[0].weight)
+        return self._forward(x)
+
+    @torch.jit.ignore
+    def _forward_python(self, x, witness):  # unannotated: TorchScript takes them as Tensors -> Tensor
+        return _script.python_module(self, FusedMLP, witness, lambda m: m.layers[0].weight)._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         # The hot path of every call: the checks and lookups below are kept to plain Python operations where they
         # can be (a training step at width 64 is bound by host time, PERF.md).
         if not isinstance(x, torch.Tensor):
@@ -436,6 +449,10 @@ class FusedMLP(nn.Module):
         state["_engines"] = {}
         state["_packed"] = None
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._kfuse_uid = _script.register(self)  # a copy is a module of its own (kfuse/_script.py)
 
     def extra_repr(self) -> str:
         acts = ", ".join(a.name for a in self.activations)
