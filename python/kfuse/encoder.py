@@ -428,7 +428,8 @@ class ResNetEncoder(reference.ResNetEncoder):
         if len(dtypes) != 1 or next(iter(dtypes)) not in _PARAM_DTYPE_NAMES:
             raise ValueError("the encoder's parameters must share one dtype of float32, float16 or bfloat16; got "
                              + ", ".join(sorted(map(str, dtypes))))
-        src = [p.detach() if p.is_contiguous() else p.detach().contiguous() for p in params]
+        with torch.inference_mode(False):  # staged copies are written again outside inference mode
+            src = [p.detach() if p.is_contiguous() else p.detach().contiguous() for p in params]
         entry[0].set_weights_device([t.data_ptr() for t in src], _PARAM_DTYPE_NAMES[params[0].dtype], 0)
         entry[1] = ptrs
         entry[3] = list(params) + src  # the bound storages stay alive while the engine reads them

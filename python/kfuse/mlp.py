@@ -355,13 +355,15 @@ class FusedMLP(nn.Module):
         # (the views are kept per set of parameter tensors); otherwise from fresh converted copies. A training call
         # packs into a new buffer (a pending backward keeps the one its forward used); inference reuses its own.
         # Inference tensors (made under torch.inference_mode) cannot be saved for backward: not reused outside it.
-        key = (id(engine), torch.is_inference_mode_enabled(), tuple(map(torch.Tensor.data_ptr, params)))
+        # (The stream too: the inference buffer is rewritten in the stream's order, never under another's reads.)
+        device = params[0].device
+        key = (id(engine), torch.is_inference_mode_enabled(), _cuda_stream(device),
+               tuple(map(torch.Tensor.data_ptr, params)))
         cached = self._packed
         if cached is None or cached[0] != key:
             direct = all(p.dtype == compute_dtype and p.is_contiguous() for p in params)
             views = self._weight_views(compute_dtype) if direct else None
             cached = self._packed = [key, None, views]
-        device = params[0].device
         ws, bs = cached[2] if cached[2] is not None else self._weight_views(compute_dtype)
         packed = cached[1]
         if packed is None or train:

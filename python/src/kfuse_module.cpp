@@ -343,7 +343,8 @@ NB_MODULE(_C, m) {
              e.set_weights_device(params, d, reinterpret_cast<cudaStream_t>(stream));
            },
            "param_ptrs"_a, "dtype"_a, "stream"_a,
-           "Packs the parameters from CUDA memory (contiguous, PyTorch layouts, param_specs order) on `stream`")
+           "Binds the parameters in CUDA memory (contiguous, PyTorch layouts, param_specs order): every later forward "
+           "computes with their current values (a device-side check repacks what changed); `stream` is unused")
       .def("forward_train",
            [](EncoderGpu& e, const Array& x, const Array& y, uintptr_t stream) {
              const DeviceTensorView xv = to_view(x, "input"), yv = to_view(y, "output");

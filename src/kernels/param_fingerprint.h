@@ -5,8 +5,9 @@
 //
 // The fingerprint is a 64-bit sum over every 8-byte word w at global word index i of splitmix64(w + i * golden):
 // order-independent (deterministic under any CTA schedule, one integer atomic per CTA), and for each index a
-// bijection of the word, so a change of any single word always changes it; several changes cancel with probability
-// ~2^-64.
+// bijection of the word, so a change of any single word always changes it. Several unrelated changes cancel with
+// probability ~2^-64; constructed ones can (neighbours set to (w[i+1] + golden, w[i] - golden) keep the sum), which
+// no optimizer or copy produces.
 #pragma once
 
 #include <cstddef>

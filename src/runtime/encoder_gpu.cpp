@@ -291,7 +291,11 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
   tail.out_nchw = y.data;
   tail.out_f32 = y.dtype == DType::F32;
 
-  if (!m.use_graphs) {
+  // Without graphs, or inside a capture of the caller's (a graph launch cannot be captured with conditional nodes in
+  // it): the launches themselves.
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+  if (!m.use_graphs || capturing != cudaStreamCaptureStatusNone) {
     m.sync_weights(stream);
     m.launch(g, stem, tail, stream);
     return;

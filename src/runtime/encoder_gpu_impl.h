@@ -731,8 +731,8 @@ struct EncoderGpu::Impl {
     return false;
   }
 
-  // The graph nodes that carry the caller's pointers: the stem (the graph's only root) and the last squeeze-excite
-  // (its only leaf), taken from the capture as they are launched.
+  // The graph nodes that carry the caller's pointers: the stem (the first kernel after the weights' check) and the last
+  // squeeze-excite (the graph's only leaf), taken from the capture as they are launched.
   struct CapturedEnds {
     cudaGraphNode_t stem = nullptr, tail = nullptr;
     bool stem_in_block = false, tail_fused = false;

@@ -9,6 +9,12 @@
 
 namespace kfuse {
 
+namespace {
+thread_local int own_capture_depth = 0;
+}  // namespace
+
+bool in_own_capture() { return own_capture_depth > 0; }
+
 void LaunchGraphCache::run(const Key& key, cudaStream_t stream, const Launch& launch, bool enabled) {
   if (!enabled) {
     launch(stream);
@@ -65,11 +71,13 @@ std::string capture_graph(const std::function<void(cudaStream_t)>& launch, cudaG
     return std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(err);
   }
   std::string why;
+  ++own_capture_depth;
   try {
     launch(cs);
   } catch (const std::exception& e) {
     why = e.what();
   }
+  --own_capture_depth;
   const cudaError_t end = cudaStreamEndCapture(cs, &graph);
   cudaStreamDestroy(cs);
   cudaGetLastError();  // a failed capture leaves its error behind; the eager run must not see it

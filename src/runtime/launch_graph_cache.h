@@ -26,6 +26,9 @@ namespace kfuse {
 // failure leaves no CUDA error behind and nothing to free.
 std::string capture_graph(const std::function<void(cudaStream_t)>& launch, cudaGraphExec_t* exec,
                           cudaGraph_t* keep = nullptr);
+// Whether this thread is inside capture_graph's launch (a capture of kfuse's own, as opposed to one its caller
+// started around kfuse's launches).
+bool in_own_capture();
 
 class LaunchGraphCache {
  public:

@@ -722,3 +722,41 @@ def test_mlp_gradients_accumulate_across_a_data_copy():
     for n, p, w, t in zip(names, params, want, torch_):
         e, et = rel(p.grad, w), rel(t, w)
         assert e <= max(MLP_TOL[torch.float16], 4 * et), f"{n}.grad: {e:.2e} (torch {et:.2e})"
+
+
+def test_encoder_in_a_callers_cuda_graph_follows_writes(make_reference):
+    """The caller captures kfuse's forward in its own CUDA graph (as torch.compile's reduce-overhead mode does). After
+    a write through .data, the replay must compute with the new weights; and so must kfuse's own graphs when a
+    geometry with prepared filters is first run between the write and the replay (the caller's graph repacks only
+    what existed at its capture, and must not consume the change that kfuse's own graphs still have to see)."""
+    ref = make_reference(in_channels=3, seed=41)
+    enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)
+    gen = torch.Generator().manual_seed(42)
+    x = torch.rand(4, 3, 64, 64, generator=gen)
+    x_big = torch.rand(64, 3, 64, 64, generator=gen)
+    xd, xd_big = x.cuda().half(), x_big.cuda().half()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):
+            enc(xd)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = enc(xd)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, reference64(ref, x)) <= ENC_TOL, "replay before the write"
+    with torch.no_grad():
+        enc(xd_big)  # a geometry first run after the capture: its prepared filters are not in the caller's graph
+    for step in range(2):
+        with torch.no_grad():
+            for p, q in zip(enc.parameters(), ref.parameters()):
+                new = q * (0.6 if step == 0 else 1.3)
+                q.copy_(new)
+                p.data.copy_(new)
+            graph.replay()  # the caller's graph sees the write first
+            torch.cuda.synchronize()
+            assert rel_err(y, reference64(ref, x)) <= ENC_TOL, f"the caller's graph after write {step}"
+            for k in range(3):  # kfuse's own graph of the other geometry must still see it
+                assert rel_err(enc(xd_big), reference64(ref, x_big)) <= ENC_TOL, f"kfuse's graph, call {k}, write {step}"
