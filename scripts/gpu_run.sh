@@ -126,8 +126,8 @@ grep -v '^\[kfuse tune\] \[' "$logs/tune.log" | tail -60
 if "$py" -m kfuse tune --channels 3 --batch 128 --mode on --out build-gpu/tune-cached >"$logs/tune-cached.log" 2>&1
 then status[tune-cached]="ok: $(grep -m1 'convolutions in' "$logs/tune-cached.log")"
 else status[tune-cached]="FAILED"; tail -20 "$logs/tune-cached.log"; fi
-# racecheck reports read/write hazards inside cuBLAS's own kernels (nvjet*: the dense GEMM of block 4's conv2, PERF.md
-# session 22), on cuBLAS's private shared memory, which kfuse neither owns nor can change: those are listed but do
+# racecheck reports read/write hazards inside cuBLAS's own kernels (nvjet*: the dense GEMM of block 4's conv2), on
+# cuBLAS's private shared memory, which kfuse neither owns nor can change: those are listed but do
 # not fail the run; a hazard with any other kernel, or any other error, does. (Excluding nvjet from the check with
 # --kernel-name-exclude skips its launches altogether, and the forward then fails.) memcheck checks every kernel.
 if ((sanitize)) && command -v compute-sanitizer >/dev/null; then

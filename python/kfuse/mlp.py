@@ -142,7 +142,7 @@ class _FusedFunction(torch.autograd.Function):
     as inputs so that autograd routes their gradients; the kernels read them from the packed buffer.
 
     `run` = (inference engine, training engine, packed weights, train, output width): one argument instead of five,
-    since Function.apply costs host time per argument (the training step is host-bound at width 64, PERF.md)."""
+    since Function.apply costs host time per argument (the training step is host-bound at width 64)."""
 
     # The engines are called with device pointers (the *_raw methods): every buffer is made here or checked by
     # FusedMLP.forward (contiguous, the compute dtype, 16-byte aligned, on the parameters' device), and autograd hands
@@ -398,7 +398,7 @@ class FusedMLP(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         # The hot path of every call: the checks and lookups below are kept to plain Python operations where they
-        # can be (a training step at width 64 is bound by host time, PERF.md).
+        # can be (a training step at width 64 is bound by host time).
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"FusedMLP expects a torch.Tensor, got {type(x).__name__}")
         shape = x.shape

@@ -84,7 +84,7 @@ WgmmaStreamLayout wgmma_stream_layout(const MlpSpec& spec, const MlpVariant& v) 
     const int kc = std::min<int>(k, static_cast<int>(w.stage_bytes / (2 * n)) / 16 * 16);
     for (int k0 = 0; k0 < k; k0 += kc) w.chunks.push_back({l, k0, std::min(kc, k - k0)});
   }
-  // Two chunks ahead cover the L2 latency (PERF.md). (A row block has two chunks at least: two layers.)
+  // Two chunks ahead cover the L2 latency (measured). (A row block has two chunks at least: two layers.)
   w.lookahead = 2;
   w.stages = w.lookahead + 2;
   const int64_t warpgroups = v.warps / 4;

@@ -178,7 +178,7 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   KernelWriter w(os, v, gemms, m.fwd_region_halves * 2);
   // Stores go through the warp's staging area after the weights (store_c_staged).
   const int stage_ld = forward_stage_ld(s);
-  // KFUSE_MLP_STAGED_STORES=0 writes the fragments directly instead (the A/B switch of PERF.md's measurement; the
+  // KFUSE_MLP_STAGED_STORES=0 writes the fragments directly instead (the A/B switch; the
   // shared memory stays reserved either way).
   const char* env = std::getenv("KFUSE_MLP_STAGED_STORES");
   const bool stage_stores = !(env && std::string(env) == "0");
@@ -210,7 +210,7 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
         os << "    if (TRAIN) " << staged(n, acc, cat("p.stash + ", m.stash_h_offset[l], " * p.batch")) << "\n";
       os << "    u32 a" << l + 1 << "[MT][" << n / 16 << "][4];\n"
          << "    to_a(" << acc << ", a" << l + 1 << ");\n";
-    } else {  // y directly: narrow rows (16 columns in the bench) gained nothing from staging and lost 8% (PERF.md)
+    } else {  // y directly: narrow rows (16 columns in the bench) gained nothing from staging and lost 8% (measured)
       os << "    store_c<" << s.output_width << ", " << s.output_width << ">(" << acc << ", p.y, row, p.batch, q);\n";
     }
   }

@@ -82,7 +82,7 @@ struct WgmmaBackwardPlan {
   int64_t smem_bytes = 0;
   // The chain's A: the dz tile (a K-major shared operand) where some layer is wider than 64, so that its dz
   // fragments (32+ registers) are not held while the MMAs run (width 128: no spills, -4%); else the fragments in
-  // registers (width 64: the shared operand cost +12%, PERF.md).
+  // registers (width 64: the shared operand cost +12%, measured).
   bool chain_a_shared = false;
   bool has_h_tile(int j) const { return h_tile_offset[j] >= 0; }
 };

@@ -456,7 +456,7 @@ void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const Ml
       const std::string a = cat("a", l + 1, "_", c);
       // A ReLU feeding the next layer runs on the rounded 16-bit pairs (half the instructions; exact, since
       // rounding is monotone and keeps 0), unless the training forward stashes its fp32 output.
-      // KFUSE_MLP_PACKED_RELU=0 keeps it in fp32 (the A/B switch of PERF.md's measurement).
+      // KFUSE_MLP_PACKED_RELU=0 keeps it in fp32 (the A/B switch).
       const bool packed_relu = l < L - 1 && packed_relu_enabled() && act.name == "relu" &&
                                act.expression == builtin_activation("relu").expression;
       if (packed_relu) {

@@ -11,7 +11,7 @@
 // Why beside the mma.sync streamed kernel: its straight-line code for 16 unrolled 64-column chunks per row block
 // took NVRTC 5.3 s at width 256 (a wgmma multiplies 64 x 256 x 16 per instruction, mma.sync 16 x 8 x 16); this
 // one's forward module takes 0.9 s, so it is the default on Hopper. Both are bound by L2 (the weights per row
-// block); at width 256 the tuner still picks the mma.sync one, 3.0 against 3.4 ms (PERF.md, session 14).
+// block); at width 256 the tuner still picks the mma.sync one, 3.0 against 3.4 ms (H100).
 #include <set>
 #include <sstream>
 #include <vector>

@@ -274,7 +274,7 @@ struct EncoderGpu::Impl {
   // Programmatic dependent launch between the forward's kernels (kernels/programmatic_launch.h): on where the device
   // supports it (compute capability 9.0+) unless KFUSE_PDL=0; turned off for good if a capture with it fails.
   bool use_pdl = false;
-  // Which kernel boundaries launch programmatically (KFUSE_PDL, read at construction; PERF.md session 7):
+  // Which kernel boundaries launch programmatically (KFUSE_PDL, read at construction):
   //   1: every one after the stem that follows a single kfuse kernel;
   //   2: not conv2 of a block whose shortcut runs on the side branch: conv2's CTAs, resident early while conv1
   //      runs, take the SMs the concurrent shortcut needs (measured: 1 is 8% slower than no PDL at all);
@@ -282,7 +282,7 @@ struct EncoderGpu::Impl {
   //      ~1 us per early-launched boundary).
   int pdl_policy = 3;
   // Blocks that fit kernels::launch_fused_block run as that one kernel in the inference forward (KFUSE_FUSED_BLOCK=0:
-  // never; the A/B switch of PERF.md session 15).
+  // never; the A/B switch).
   bool fuse_blocks = true;
   bool fuse_stem = true;  // KFUSE_FUSED_STEM=0: the stem kernel even where block 1's kernel could compute it
   // Where they apply (Hopper, 16 x 16 maps), such blocks run as the warpgroup-MMA kernel instead, in inference and in
@@ -297,7 +297,7 @@ struct EncoderGpu::Impl {
   // squeeze-excite and join run as kernels::launch_shortcut_excite_cluster after its conv1 and conv2, instead of the
   // shortcut convolution on a side branch and the squeeze-excite kernel. Opt-in (KFUSE_FUSED_TAIL=1): at batch 128 on
   // H100 the cluster kernel took 10.8 us against the 4.9 us of the squeeze-excite it replaces (the shortcut runs beside
-  // conv1 for free), 72.4 against 67.5 us per forward back to back (PERF.md session 27).
+  // conv1 for free), 72.4 against 67.5 us per forward back to back.
   bool fuse_tail = false;
   // The inference forward's squeeze-excite kernels read the fc weights as T where they can (BlockWeights::fc_t).
   // KFUSE_SE_WEIGHTS_T=0: always fp32 (the A/B switch).
@@ -305,7 +305,7 @@ struct EncoderGpu::Impl {
   // Where the last block's conv2 runs as the dense GEMM from a prepared filter (batch up to the SM count), that
   // filter carries the squeeze projection (kernels::launch_squeeze_projection) as extra rows: the GEMM computes fc1's
   // pre-activations with o and the squeeze-excite skips its squeeze and fc1. KFUSE_SE_PROJECTION=0: never (the A/B
-  // switch; PERF.md session 28).
+  // switch; H100, batch 128: squeeze-excite 4.0 against 5.3 us, back to back 65.4 against 66.6 us).
   bool se_projection = true;
   int cc_major = 0, cc_minor = 0;
   size_t smem_optin = 0;  // the device's shared memory per block with opt-in
@@ -871,7 +871,7 @@ struct EncoderGpu::Impl {
         db.partials = i < act.partials.size() ? act.partials[i] : nullptr;
         db.sync = i < act.sync.size() ? act.sync[i] : nullptr;
         // Programmatic launch after block 1's kernel (its filter stream loading while that one finishes) measured
-        // slower: 94.8 against 82.4 us back to back (PERF.md session 23). Only inside a programmatic chain.
+        // slower: 94.8 against 82.4 us back to back (H100, not understood). Only inside a programmatic chain.
         kernels::PdlScope down_scope(chain);
         check_cuda(kernels::launch_fused_down_block_wgmma(db, dtype, stream), "fused downsampling block kernel");
         h /= b.stride;

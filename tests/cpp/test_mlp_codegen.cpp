@@ -512,7 +512,7 @@ TEST(MlpWgradPlan, EveryBlockHasOneOwnerAndSizesAddUp) {
     EXPECT_EQ(p.smem_bytes, static_cast<int64_t>(mlp_backward_smem_bytes(spec, variant)));
     EXPECT_GE(p.smem_bytes, p.h_tile_offset + 2 * p.h_tile_bytes);
   }
-  // The bench shape: 84 accumulators per thread with 8 warps (ptxas: about 210 registers, no spills).
+  // The bench shape: 84 accumulators per thread with 8 warps (ptxas: about 210 registers, no spills).
   EXPECT_EQ(codegen::mlp_wgrad_plan(make_spec(32, {64, 64, 64, 64}, 16), {1, 8, true, 64, true}).accumulator_floats,
             84);
 }

@@ -422,9 +422,10 @@ def test_weights_update_is_picked_up(make_reference):
 
 
 def test_module_follows_every_kind_of_parameter_change(make_reference):
-    """The module's hot path launches a call like the previous one before it checks the parameters (PERF.md session
-    23): an in-place update, a parameter replaced by assignment, new storage through .data, a dtype conversion and a
-    deep copy must each give the new model's output, on the eager call of a new kind and on the replayed one."""
+    """The module's hot path launches a call like the previous one before it checks the parameters (which saves
+    host time before the launch): an in-place update, a parameter replaced by assignment, new storage through .data,
+    a dtype conversion and a deep copy must each give the new model's output, on the eager call of a new kind and on
+    the replayed one."""
     ref = make_reference(in_channels=3, seed=31)
     enc = kfuse.ResNetEncoder.from_torch(ref).to("cuda", torch.float16)
     x = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(32))

@@ -1,5 +1,5 @@
 """kfuse.FusedMLP, GPU tier (skipped without a CUDA device): forward and backward of the generated kernels against
-a float64 reference for the issue's widths, batches and activations; both weight-gradient paths (fused in the
+a float64 reference for the benchmark's widths, batches and activations; both weight-gradient paths (fused in the
 backward kernel, and dz + cuBLAS); poisoned outputs; dL/dx; autograd; the kernel cache across engines."""
 
 import gc

@@ -1,7 +1,7 @@
 // cuDNN's graph API (runtime fusion) for the training step: a convolution with its FixUp epilogue, and a data
 // gradient with the ReLU-mask backward, each as ONE cuDNN kernel. cuDNN's legacy API cannot fuse, so where the tuner
 // picks cuDNN the training step paid a memory-bound pass after each of these convolutions (fixup_epilogue_pass,
-// relu_mask_backward: ~0.4 ms per step at batch 2048; PERF.md session 16).
+// relu_mask_backward: ~0.4 ms per step at batch 2048).
 //
 //   conv_relu:  h  = relu(conv(x, w) + b1b)                    (T; the ReLU mask the backward reads: h > 0)
 //               h2 = h + b2a                                   (T; conv2's input, zero padding kept by conv2)

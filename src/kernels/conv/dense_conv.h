@@ -4,7 +4,7 @@
 //   y[n][po][k] = sum over (q, c) of Wd[po][k][q][c] x[n][q][c],   Wd[po][k][q][c] = w[k][r][s][c] with
 //   (r, s) = q - po * stride + pad when inside the filter, else 0.
 // The encoder's last block (2x2 images, 3x3 filters, pad 1): every (po, q) pair is a real tap, 4 of each output's 9
-// taps: 2.25x fewer multiply-adds than the implicit GEMM (PERF.md session 10). Worth it where H * W <= R * S.
+// taps: 2.25x fewer multiply-adds than the implicit GEMM. Worth it where H * W <= R * S.
 //
 // GEMMs by cuBLAS (fp32 accumulation) on a per-device handle, each call with the caller's stream and workspace (two
 // streams of one graph may run dense convolutions at the same time). The unrolled filter is built in the workspace

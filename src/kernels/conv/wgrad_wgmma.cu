@@ -17,7 +17,7 @@
 //
 // Speed (H100, batch 2048, 16 x 16): ~105 us against cuDNN's 99 and the CUTLASS 2.x split-K candidates' 242; the
 // tensor pipe is active half the time, the loads (16-byte cp.async scattered into the planes) are what limits it
-// (PERF.md session 18). The tuner chooses among them.
+// (ncu: tensor pipe 50%, DRAM 40%, L2 74%). The tuner chooses among them.
 #include "kernels/conv/wgrad_wgmma.h"
 
 #include <cstdint>

@@ -55,8 +55,8 @@ size_t se_backward_workspace_bytes(const SeBackwardArgs& args);
 cudaError_t launch_se_backward(const SeBackwardArgs& args, ConvDType dtype, void* workspace, cudaStream_t stream);
 // The same in two phases on one workspace: _data writes d_o and dz (what the rest of the backward waits for), _params
 // the parameter gradients and the scalar sums from what _data left in the workspace. A caller may run _params on
-// another stream, after _data and before anything else writes the workspace (the training step does: PERF.md
-// session 10).
+// another stream, after _data and before anything else writes the workspace (the training step does: its
+// parameter phase's small grids would otherwise hold the main path for their full latency).
 cudaError_t launch_se_backward_data(const SeBackwardArgs& args, ConvDType dtype, void* workspace, cudaStream_t stream);
 cudaError_t launch_se_backward_params(const SeBackwardArgs& args, ConvDType dtype, void* workspace,
                                       cudaStream_t stream);

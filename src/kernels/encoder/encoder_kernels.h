@@ -73,7 +73,7 @@ cudaError_t launch_squeeze_excite(const SqueezeExciteArgs& args, ConvDType dtype
 // The squeeze and fc1 of a block's squeeze-excite folded into its conv2 when that convolution is one dense GEMM
 // (kernels/conv/dense_conv.h) with a raw output: mean over o's Ho*Wo pixels of (x Wd^T)[po*K + k] = x . Wbar[k], with
 // Wbar[k] = (1 / (Ho*Wo)) sum over po of Wd[po*K + k], so fc1's pre-activation (without scale, b2b, b1) is
-// x . proj[j] with proj[j] = sum over k of w1[j][k] Wbar[k]: `hidden` more rows of the GEMM (PERF.md session 28).
+// x . proj[j] with proj[j] = sum over k of w1[j][k] Wbar[k]: `hidden` more rows of the GEMM.
 // wd: the unrolled filter, row-major [po_count * k][kd] of T; w1: fc1's weight [hidden][k] fp32. Writes proj
 // ([hidden][kd] of T, rounded once from fp32 sums) and rowsum[j] = sum over k of w1[j][k] (fp32). The same bits on
 // every run (a fixed summation order, squeeze_projection.cu). Shapes: k % 4 == 0, kd % 8 == 0, any po_count and

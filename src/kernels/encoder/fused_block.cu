@@ -2,7 +2,7 @@
 // for inference: conv1 + FixUp, conv2 + FixUp, squeeze-excitation and the residual join, one CTA per image.
 //
 // Why. At N = 128 block 1 ran as three kernels, conv1 12.3 us, conv2 11.6 us, squeeze-excite 5.5 us (H100, graph
-// replay, PERF.md session 15), for 4.8 GFLOP: each convolution paid its own ramp, pipeline fill, tail and an L2 round
+// replay), for 4.8 GFLOP: each convolution paid its own ramp, pipeline fill, tail and an L2 round
 // trip of its 4 MB output, and the implicit GEMM re-read every input pixel from L2 once per tap. Here an image is
 // small enough to stay on chip from the block's input to its output:
 //   - both filters (2 x 72 KB) and the image's input with a one-pixel zero halo ((h+2) x (w+2) x 64 x 2 B) go to

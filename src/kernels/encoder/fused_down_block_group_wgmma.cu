@@ -4,12 +4,12 @@
 //
 // Why. Block 3 ran as four kernels (conv1 and the shortcut side by side, conv2, the squeeze-excite): ~28 us of the
 // forward's ~80 at batch 128 for 3.8 GFLOP, each convolution bound by its tiles re-streaming both operands from L2
-// (PERF.md sessions 20-22). Block 2's kernel (fused_down_block_wgmma.cu) keeps an image on chip and streams only the
-// filters, but here one image is only 16 output pixels and the filters are 1.8 MB: one CTA per image would stream
-// 1.8 MB per SM. So a group of 4 CTAs takes 4 images (M = 64 rows: the minimum of a warpgroup MMA) and splits the
-// 256 output channels (64 each): every CTA streams a quarter of the filters (448 KB, as block 2's kernel) and the two
-// things a channel slice cannot compute alone go through L2: conv2's input h2 (each CTA writes its 64 channels, then
-// loads the other 192) and the squeeze's fc1 (each CTA's partial sums over its channels).
+// (measured: the SMs' L2 ingress). Block 2's kernel (fused_down_block_wgmma.cu) keeps an image on chip and streams
+// only the filters, but here one image is only 16 output pixels and the filters are 1.8 MB: one CTA per image would
+// stream 1.8 MB per SM. So a group of 4 CTAs takes 4 images (M = 64 rows: the minimum of a warpgroup MMA) and
+// splits the 256 output channels (64 each): every CTA streams a quarter of the filters (448 KB, as block 2's kernel)
+// and the two things a channel slice cannot compute alone go through L2: conv2's input h2 (each CTA writes its 64
+// channels, then loads the other 192) and the squeeze's fc1 (each CTA's partial sums over its channels).
 //
 // Why not a thread block cluster with distributed shared memory (the first version): a cluster of 4 must sit in one
 // GPC, and at one CTA per SM only 30 such clusters fit on a 132-SM H100 (cudaOccupancyMaxActiveClusters), so batch

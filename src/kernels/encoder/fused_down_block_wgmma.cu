@@ -4,7 +4,7 @@
 //
 // Why. Block 2 ran as four kernels (conv1 and the shortcut side by side, conv2, the squeeze-excite): ~29 us of the
 // forward's ~100 at batch 128 for 4.8 GFLOP, each convolution a CUTLASS kernel whose 64 x 64 tiles stream both operands
-// from L2 (session 22: bound by the SMs' L2 ingress) plus a fixed ~3 us of launch, ramp and tail. Here a CTA keeps its
+// from L2 (measured bound: the SMs' L2 ingress) plus a fixed ~3 us of launch, ramp and tail. Here a CTA keeps its
 // image on chip from the input to the block output and streams only the filters (448 KB, the same bytes in the same
 // order for every CTA), so the block costs one launch and ~460 KB of L2 reads per SM. With programmatic launch after
 // block 1's kernel, the first 128 KB of filters and the squeeze-excite's weights arrive while that kernel finishes.
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
   // fc1 + ReLU: warp k computes hidden unit k (lane's channels lane + 32 u, then over the lanes), into shared memory;
   // then one gate per channel (fc2 + sigmoid) by the first 128 threads. Short dependency chains between two barriers:
   // each warp computing all 8 units (40 dependent shuffles) and each thread 8 gates made this tail ~30% of the
-  // kernel's stall samples (ncu, PERF.md session 23).
+  // kernel's stall samples (ncu).
   float* const hid = part + 8 * 64;  // the sums are read before the barrier below, gates after it
   float* const gates = hid + 8;
   static_assert(kHidden == kCompute / 32, "one warp per hidden unit");

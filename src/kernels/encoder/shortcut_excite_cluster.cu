@@ -5,7 +5,7 @@
 // Why. Block 4 ran its shortcut as a 3x3 convolution (the 1x1 filter / 9 on every tap) on a side branch beside conv1,
 // and the squeeze-excite as a kernel of its own: the shortcut moves as many L2 -> SM bytes as conv1 (~37 MB at batch
 // 128), slowing conv1 from 8.2 to 9.0-9.2 us where both are bound by L2 bandwidth, and the squeeze-excite re-reads
-// 128 KB of fp32 fc weights per image (16 MB in all, ~4.8 us; PERF.md sessions 22 and 25). Here the 8 CTAs of a
+// 128 KB of fp32 fc weights per image (16 MB in all, ~4.8 us). Here the 8 CTAs of a
 // cluster split every weight by output: CTA r computes output channels 64 r .. 64 r + 63 of the shortcut and of fc2,
 // and hidden units 4 r .. 4 r + 3 of fc1, for all 8 images of the cluster, so each CTA streams an eighth of the
 // weights (32 KB of the 1x1 filter, 16 KB of fc weights: ~7 MB for the batch instead of ~53) and the operands that a

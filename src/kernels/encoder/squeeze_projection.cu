@@ -2,7 +2,7 @@
 // launch_squeeze_projection, SqueezeExciteArgs::pre_hidden).
 //
 // Why. In the last block at batch 128 the squeeze-excite is a serial chain of phases behind one barrier each (o, the
-// squeeze, fc1, fc2, the excite, the NCHW store); its phase stamps (PERF.md session 28) put the squeeze and fc1 at
+// squeeze, fc1, fc2, the excite, the NCHW store); its phase stamps (H100) put the squeeze and fc1 at
 // ~0.45 us each of its ~4.8. Both are linear in conv2's raw output, and conv2 there is one dense GEMM over the
 // flattened image (dense_conv.h): fc1's pre-activations are then 32 more output columns of that GEMM (2048 -> 2080
 // rows of the unrolled filter; nvjet's 48-row tiles already cover 2080 with the same CTA count), computed while conv2
