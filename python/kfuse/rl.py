@@ -1,0 +1,266 @@
+"""The workload kfuse's encoder is trained in: a DD-PPO-shaped policy, its rollout storage, GAE and the PPO update with
+fp32 master weights that are copied back into the fp16 parameters through `.data.copy_`, as batch-simulation RL
+programs do (bps-nav's shape; shared/spec/ddppo-loop.md). The observations are synthetic (random uint8 RGBA frames,
+goals, rewards and episode ends), deterministic under a seed. The encoder is kfuse's or plain PyTorch's; nothing else
+differs between the two.
+
+    policy = Policy(encoder="kfuse").to(device, torch.float16)
+    trainer = PPOTrainer(policy, num_envs=128, steps=32)
+    stats = trainer.iteration()   # 32 rollout steps, then the update (1 epoch, 2 minibatches)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import reference
+from .encoder import ResNetEncoder
+
+__all__ = ["Policy", "SyntheticEnvs", "RolloutStorage", "PPOTrainer", "PPOConfig", "compute_gae"]
+
+NUM_ACTIONS = 4
+HIDDEN = 512
+
+
+class ObservationNorm(nn.Module):
+    """Running per-channel mean and variance of the RGB frames in [0, 1] (fp32 buffers), updated from each training
+    batch; frames are normalized as (x - mean) * rsqrt(max(var, 1e-2))."""
+
+    def __init__(self, channels: int = 3):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(channels))
+        self.register_buffer("var", torch.ones(channels))
+        self.register_buffer("count", torch.tensor(1e-4))
+        self.version = 0  # bumped by every update (consumers re-read the statistics)
+
+    def _apply(self, fn, recurse=True):
+        # Device moves apply; dtype casts (policy.half()) do not: the statistics stay fp32.
+        return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
+
+    @torch.no_grad()
+    def update(self, frames: torch.Tensor) -> None:
+        x = frames[..., : self.mean.numel()].float().div_(255).reshape(-1, self.mean.numel())
+        n = x.shape[0]
+        mean, var = x.mean(0), x.var(0, unbiased=False)
+        total = self.count + n
+        delta = mean - self.mean
+        self.var.copy_((self.var * self.count + var * n + delta.square() * self.count * n / total) / total)
+        self.mean.add_(delta * n / total)
+        self.count.copy_(total)
+        self.version += 1
+
+
+class Policy(nn.Module):
+    """Encoder (SE-ResNet9-FixUp, kfuse's or plain PyTorch's), compression conv, fc + LayerNorm, goal and previous-
+    action embeddings, a 2-layer LSTM with masked resets, actor and critic heads (ddppo-loop.md, "The policy")."""
+
+    def __init__(self, encoder: str = "kfuse", in_channels: int = 3, seed: int = 0):
+        super().__init__()
+        if encoder not in ("kfuse", "torch"):
+            raise ValueError(f"encoder must be 'kfuse' or 'torch', got {encoder!r}")
+        torch.manual_seed(seed)
+        self.kind = encoder
+        self.obs_norm = ObservationNorm(in_channels)
+        # Both encoders start from the same weights: the plain one's init, loaded into kfuse's.
+        enc = reference.ResNetEncoder(in_channels)
+        self.encoder = ResNetEncoder.from_torch(enc) if encoder == "kfuse" else enc
+        torch.manual_seed(seed + 1)  # the other layers alike for both (from_torch draws numbers of its own)
+        self.compress = nn.Sequential(nn.Conv2d(512, 256, 3, padding=1), nn.ReLU())
+        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(1024, 512, bias=False), nn.LayerNorm(512), nn.ReLU())
+        self.goal = nn.Linear(3, 32)
+        self.prev_action = nn.Embedding(NUM_ACTIONS + 1, 32)
+        self.rnn = nn.LSTM(512 + 64, HIDDEN, num_layers=2)
+        self.actor = nn.Linear(HIDDEN, NUM_ACTIONS)
+        self.critic = nn.Linear(HIDDEN, 1)
+
+    def _frames(self, frames: torch.Tensor) -> torch.Tensor:
+        """uint8 RGBA (N, H, W, 4) -> the encoder's output, normalized by the running statistics."""
+        mean, var = self.obs_norm.mean, self.obs_norm.var
+        if self.kind == "kfuse":
+            if getattr(self, "_norm_version", None) != self.obs_norm.version:
+                # folded into the stem's read on the GPU (exact); set again after each update of the statistics
+                self.encoder.set_input_normalization(mean.detach().cpu(), var.detach().cpu())
+                self._norm_version = self.obs_norm.version
+            return self.encoder(frames)
+        dtype = next(self.encoder.parameters()).dtype
+        x = frames[..., : mean.numel()].permute(0, 3, 1, 2).to(dtype) / 255
+        x = (x - mean.view(1, -1, 1, 1).to(dtype)) * torch.rsqrt(var.clamp_min(1e-2)).view(1, -1, 1, 1).to(dtype)
+        return self.encoder(x)
+
+    def forward(self, frames, goal, prev_action, hidden, masks):
+        """frames (T*N, H, W, 4) uint8, goal (T*N, 3), prev_action (T*N,) long, masks (T*N,) 0 at episode starts,
+        hidden (h, c) each (2, N, HIDDEN) at the first step. Returns fp32 logits (T*N, 4), values (T*N,) and the
+        hidden state after the last step."""
+        n = hidden[0].shape[1]
+        f = self.fc(self.compress(self._frames(frames)))
+        dtype = f.dtype
+        z = torch.cat([f, self.goal(goal.to(dtype)), self.prev_action(prev_action)], 1)
+        steps = z.shape[0] // n
+        h, c = hidden
+        outs = []
+        for t in range(steps):  # masked resets: the state is zeroed where an episode starts
+            m = masks[t * n:(t + 1) * n].to(dtype).view(1, n, 1)
+            o, (h, c) = self.rnn(z[t * n:(t + 1) * n].unsqueeze(0), (h * m, c * m))
+            outs.append(o.squeeze(0))
+        o = torch.cat(outs, 0)
+        return self.actor(o).float(), self.critic(o).float().squeeze(1), (h, c)
+
+    def initial_hidden(self, n: int, device=None, dtype=None):
+        p = self.actor.weight
+        z = torch.zeros(2, n, HIDDEN, device=device or p.device, dtype=dtype or p.dtype)
+        return z, z.clone()
+
+
+class SyntheticEnvs:
+    """N environments that return random uint8 RGBA frames, goals and rewards, and end episodes at random (1 in 50
+    steps), from a seeded generator on the policy's device."""
+
+    def __init__(self, num_envs: int, device, seed: int = 0, size: int = 64, end_probability: float = 0.02):
+        self.n, self.device, self.size, self.p_end = num_envs, torch.device(device), size, end_probability
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    def observe(self):
+        frames = torch.randint(0, 256, (self.n, self.size, self.size, 4), generator=self.gen, device=self.device,
+                               dtype=torch.uint8)
+        goal = torch.rand(self.n, 3, generator=self.gen, device=self.device) * 2 - 1
+        return frames, goal
+
+    def step(self, actions: torch.Tensor):
+        """Rewards and masks (0 where the episode ended) after `actions`."""
+        reward = torch.randn(self.n, generator=self.gen, device=self.device) * 0.1 + 0.01 * (actions == 0).float()
+        done = torch.rand(self.n, generator=self.gen, device=self.device) < self.p_end
+        return reward, (~done).float()
+
+
+@dataclass
+class PPOConfig:
+    clip: float = 0.2
+    value_coef: float = 0.5
+    entropy_coef: float = 0.01
+    gamma: float = 0.99
+    tau: float = 0.95
+    lr: float = 5e-4
+    eps: float = 1e-5
+    max_grad_norm: float = 1.0
+    minibatches: int = 2
+    epochs: int = 1
+
+
+class RolloutStorage:
+    """One rollout of `steps` steps of `n` environments, with the recurrent state at its start."""
+
+    def __init__(self, steps: int, n: int, device, size: int = 64, dtype=torch.float16):
+        self.steps, self.n = steps, n
+        self.frames = torch.zeros(steps, n, size, size, 4, dtype=torch.uint8, device=device)
+        self.goals = torch.zeros(steps, n, 3, device=device)
+        self.prev_actions = torch.zeros(steps, n, dtype=torch.long, device=device)
+        self.masks = torch.ones(steps + 1, n, device=device)
+        self.actions = torch.zeros(steps, n, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(steps, n, device=device)
+        self.values = torch.zeros(steps + 1, n, device=device)
+        self.rewards = torch.zeros(steps, n, device=device)
+        self.hidden0 = (torch.zeros(2, n, HIDDEN, device=device, dtype=dtype),
+                        torch.zeros(2, n, HIDDEN, device=device, dtype=dtype))
+
+
+def compute_gae(rewards, values, masks, gamma: float, tau: float) -> torch.Tensor:
+    """Returns by generalized advantage estimation: rewards (T, N), values (T+1, N), masks (T+1, N), masks[t+1] = 0
+    where the episode ended at step t."""
+    returns = torch.zeros_like(rewards)
+    gae = torch.zeros_like(rewards[0])
+    for t in reversed(range(rewards.shape[0])):
+        delta = rewards[t] + gamma * values[t + 1] * masks[t + 1] - values[t]
+        gae = delta + gamma * tau * masks[t + 1] * gae
+        returns[t] = gae + values[t]
+    return returns
+
+
+class PPOTrainer:
+    """Rollouts and PPO updates of `policy` on synthetic environments. The optimizer steps fp32 master weights (Adam,
+    lr scaled by the batch as in bps-nav) and copies them back into the policy's parameters with `p.data.copy_` (no
+    version bump: the write kfuse must follow); fp16 policies use a GradScaler."""
+
+    def __init__(self, policy: Policy, num_envs: int = 128, steps: int = 32, config: PPOConfig | None = None,
+                 seed: int = 0):
+        self.policy, self.n, self.steps = policy, num_envs, steps
+        self.cfg = config or PPOConfig()
+        p = next(policy.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.envs = SyntheticEnvs(num_envs, self.device, seed)
+        self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self.params = [q for q in policy.parameters() if q.requires_grad]
+        self.masters = [q.detach().float().clone().requires_grad_() for q in self.params]
+        lr = self.cfg.lr * math.sqrt(num_envs * steps / 4096)  # scaled by the batch
+        self.optimizer = torch.optim.Adam(self.masters, lr=lr, eps=self.cfg.eps)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+        self.storage = RolloutStorage(steps, num_envs, self.device, dtype=self.dtype)
+        self.hidden = policy.initial_hidden(num_envs)
+        self.prev_action = torch.full((num_envs,), NUM_ACTIONS, dtype=torch.long, device=self.device)
+        self.frames, self.goal = self.envs.observe()
+
+    @torch.no_grad()
+    def rollout(self) -> None:
+        s, pol = self.storage, self.policy
+        pol.eval()
+        s.hidden0 = (self.hidden[0].clone(), self.hidden[1].clone())
+        s.masks[0] = s.masks[-1]
+        for t in range(self.steps):
+            s.frames[t], s.goals[t], s.prev_actions[t] = self.frames, self.goal, self.prev_action
+            logits, value, self.hidden = pol(self.frames, self.goal, self.prev_action, self.hidden, s.masks[t])
+            dist = torch.distributions.Categorical(logits=logits)
+            action = torch.multinomial(dist.probs, 1, generator=self.sample_gen).squeeze(1)
+            s.actions[t], s.logprobs[t], s.values[t] = action, dist.log_prob(action), value
+            reward, mask = self.envs.step(action)
+            s.rewards[t], s.masks[t + 1] = reward, mask
+            self.prev_action = torch.where(mask > 0, action, torch.full_like(action, NUM_ACTIONS))
+            self.frames, self.goal = self.envs.observe()
+        _, s.values[-1], _ = pol(self.frames, self.goal, self.prev_action, self.hidden, s.masks[-1])
+        pol.obs_norm.update(s.frames)
+
+    def update(self) -> dict:
+        s, cfg, pol = self.storage, self.cfg, self.policy
+        returns = compute_gae(s.rewards, s.values, s.masks, cfg.gamma, cfg.tau)
+        adv = returns - s.values[:-1]
+        adv = (adv - adv.mean()) / (adv.std() + 1e-5)
+        pol.train()
+        stats = []
+        envs = torch.arange(self.n, device=self.device)
+        for _ in range(cfg.epochs):
+            for mb in envs.chunk(cfg.minibatches):
+                m = len(mb)
+                flat = lambda v: v[:, mb].reshape(self.steps * m, *v.shape[2:])  # noqa: E731 (time-major)
+                hidden = (s.hidden0[0][:, mb], s.hidden0[1][:, mb])
+                logits, values, _ = pol(flat(s.frames), flat(s.goals), flat(s.prev_actions), hidden,
+                                        flat(s.masks[:-1]))
+                dist = torch.distributions.Categorical(logits=logits)
+                ratio = torch.exp(dist.log_prob(flat(s.actions)) - flat(s.logprobs))
+                a = flat(adv)
+                surrogate = torch.min(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a).mean()
+                value_loss = 0.5 * (flat(returns) - values).square().mean()
+                entropy = dist.entropy().mean()
+                loss = -surrogate + cfg.value_coef * value_loss - cfg.entropy_coef * entropy
+                self._step(loss)
+                stats.append(torch.stack([loss.detach(), surrogate.detach(), value_loss.detach(), entropy.detach()]))
+        return dict(zip(("loss", "surrogate", "value_loss", "entropy"), torch.stack(stats).mean(0).tolist()))
+
+    def _step(self, loss: torch.Tensor) -> None:
+        for p in self.params:
+            p.grad = None
+        self.scaler.scale(loss).backward()
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.data.copy_(m)  # as bps-nav does: no version bump
+
+    def iteration(self) -> dict:
+        self.rollout()
+        return self.update()
