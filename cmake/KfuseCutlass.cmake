@@ -4,25 +4,9 @@
 # CUTLASS source tree or the wheel's cutlass_library/source folder (both have include/ and tools/util/include/).
 set(KFUSE_CUTLASS_DIR "$ENV{KFUSE_CUTLASS_DIR}" CACHE PATH "CUTLASS root (holding include/ and tools/util/include/)")
 
-if(NOT KFUSE_CUTLASS_DIR)
-  find_package(Python3 COMPONENTS Interpreter QUIET)
-  if(Python3_Interpreter_FOUND)
-    # As the interpreter sees its packages, then in isolated mode (-I): under pip's build isolation (`pip install .`)
-    # the interpreter is the user's environment's, but PYTHONPATH points it at the build's own packages only; -I
-    # ignores that and finds what the README has the user install there first.
-    foreach(_kfuse_args "-c" "-I;-c")
-      if(NOT KFUSE_CUTLASS_DIR)
-        execute_process(
-          COMMAND "${Python3_EXECUTABLE}" ${_kfuse_args}
-            "import importlib.util,os;s=importlib.util.find_spec('cutlass_library');print(os.path.join(s.submodule_search_locations[0],'source') if s else '')"
-          OUTPUT_VARIABLE _kfuse_cutlass_guess OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-        if(_kfuse_cutlass_guess)
-          set(KFUSE_CUTLASS_DIR "${_kfuse_cutlass_guess}" CACHE PATH "" FORCE)
-        endif()
-      endif()
-    endforeach()
-  endif()
-endif()
+include(${CMAKE_CURRENT_LIST_DIR}/KfusePythonProbe.cmake)
+kfuse_python_guess(KFUSE_CUTLASS_DIR
+  "import importlib.util,os;s=importlib.util.find_spec('cutlass_library');print(os.path.join(s.submodule_search_locations[0],'source') if s else '')")
 
 if(NOT KFUSE_CUTLASS_DIR)
   message(FATAL_ERROR
