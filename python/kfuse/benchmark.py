@@ -51,7 +51,7 @@ def environment_meta(batch: int, dtype: str) -> dict:
             "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version(),
             # kfuse's A/B switches in effect (programmatic dependent launch is on by default on sm_90+).
-            "kfuse_env": {k: v for k, v in os.environ.items() if k in ("KFUSE_PDL", "KFUSE_TUNE")},
+            "kfuse_env": {k: v for k, v in os.environ.items() if k.startswith("KFUSE_")},
         })
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],

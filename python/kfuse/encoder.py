@@ -232,13 +232,15 @@ class ResNetEncoder(reference.ResNetEncoder):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"ResNetEncoder expects a torch.Tensor, got {type(x).__name__}")
         x = self._as_nchw(x)
-        if x.device.type == "cuda":
-            return self._forward_cuda(x)
         if torch.compiler.is_compiling():
-            # Traced by torch.compile / torch.export: the dispatcher's op, with plain-Python checks only.
+            # Traced by torch.compile / torch.export: the dispatcher's op (CPU or CUDA), with plain-Python checks
+            # only; uint8 input normalized by traced PyTorch ops. The training forward keeps the backward's stash.
             params = list(self.parameters())
             x = self._cpu_input(x, params[0].dtype)
-            return torch.ops.kfuse.encoder_forward(x, params, *self._op_config())
+            training = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+            return torch.ops.kfuse.encoder_forward(x, params, *self._op_config(), training)
+        if x.device.type == "cuda":
+            return self._forward_cuda(x)
         self._check_input(x)
         if x.device.type != "cpu":
             raise NotImplementedError(f"kfuse.ResNetEncoder runs on CPU and CUDA tensors, not {x.device}")
@@ -252,7 +254,7 @@ class ResNetEncoder(reference.ResNetEncoder):
         x = self._cpu_input(x, dtype)
         if x.dtype != dtype:
             raise ValueError(f"input dtype {x.dtype} does not match the parameters' dtype {dtype}")
-        return torch.ops.kfuse.encoder_forward(x.contiguous(), params, *self._op_config())
+        return torch.ops.kfuse.encoder_forward(x.contiguous(), params, *self._op_config(), False)
 
     def _op_config(self) -> tuple[int, int, list[int]]:
         """The encoder's configuration as the dispatcher's ops take it (in_channels, base_planes, layers)."""
@@ -263,9 +265,12 @@ class ResNetEncoder(reference.ResNetEncoder):
         """uint8 renderer input normalized as the stem reads it on the GPU; other inputs as they are."""
         if x.dtype != torch.uint8:
             return x
-        scale, shift = self._uint8_affine()
-        return x.to(dtype) * torch.tensor(scale, dtype=dtype).view(1, -1, 1, 1) + \
-            torch.tensor(shift, dtype=dtype).view(1, -1, 1, 1)
+        dtype = torch.float32 if x.device.type == "cuda" else dtype  # the CUDA op converts to its precision
+        norm = getattr(self, "_input_norm", None)
+        if norm is None:
+            return (x.to(dtype) * (1 / 255)).contiguous()
+        inv = torch.rsqrt(norm[1].to(x.device, dtype).clamp_min(1e-2)).view(1, -1, 1, 1)  # as _uint8_affine
+        return (x.to(dtype) * (inv / 255) - norm[0].to(x.device, dtype).view(1, -1, 1, 1) * inv).contiguous()
 
     def __getstate__(self):
         # The cached GPU engines (device memory, CUDA graphs) are rebuilt on demand, never copied or pickled.

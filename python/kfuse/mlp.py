@@ -413,6 +413,8 @@ class FusedMLP(nn.Module):
             raise ValueError(f"FusedMLP input must be floating point, got {x.dtype}")
         if device.type != "cuda":
             return self.forward_torch(x)
+        if torch.compiler.is_compiling():
+            return self._forward_op(x, params)
         dtype = p.dtype
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"FusedMLP on CUDA runs float16, bfloat16 or float32 modules, this one is {dtype}")
@@ -435,6 +437,18 @@ class FusedMLP(nn.Module):
         if dtype != compute:
             y = y.to(dtype)
         return y if len(shape) == 2 else y.reshape(*shape[:-1], self.output_width)
+
+    def _forward_op(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """The CUDA forward as the dispatcher's op (kfuse/ops.py), for torch.compile / torch.export to trace."""
+        dtype = params[0].dtype
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"FusedMLP on CUDA runs float16, bfloat16 or float32 modules, this one is {dtype}")
+        compute = dtype if dtype in _GPU_DTYPES else torch.float16
+        shape = x.shape
+        x2 = x.reshape(-1, self.input_width).to(compute)
+        train = torch.is_grad_enabled() and (x2.requires_grad or any(q.requires_grad for q in params))
+        y = torch.ops.kfuse.mlp_forward(x2, params, self._kfuse_uid, train)
+        return y.to(dtype).reshape(*shape[:-1], self.output_width)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """The same MLP in plain PyTorch ops (the CPU path, and a reference)."""

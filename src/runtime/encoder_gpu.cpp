@@ -249,6 +249,7 @@ void EncoderGpu::set_weights(const EncoderParams<float>& params) {
   check_cuda(cudaMemcpy(m.weights, hw.bytes().data(), hw.bytes().size(), cudaMemcpyHostToDevice), "cudaMemcpy");
   if (m.watch.watching()) {  // these values hold until the next set_weights; graphs stop checking the old memory
     m.watch.unwatch();
+    m.train_watch.unwatch();
     m.clear_graphs();
   }
   m.remake_prepared_filters(nullptr);

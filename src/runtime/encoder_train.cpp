@@ -451,6 +451,10 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
     const char* scalars[5] = {"fixup_bias1a", "fixup_bias1b", "fixup_bias2a", "fixup_scale", "fixup_bias2b"};
     for (int s = 0; s < 5; ++s) add(src(b.prefix + scalars[s]), W.scalars + 4 * s, 1, PackKind::kCopyF32);
   }
+  // The forward's jobs first; the flipped filters (kFlip: the backward's data-gradient convolutions) last.
+  const size_t forward_jobs = size_t(
+      std::stable_partition(jobs.begin(), jobs.end(), [](const PackJob& j) { return j.kind != PackKind::kFlip; }) -
+      jobs.begin());
   Impl::Device scope(m.device);
   const bool same = jobs.size() == m.pack_jobs.size() &&
                     std::memcmp(jobs.data(), m.pack_jobs.data(), jobs.size() * sizeof(PackJob)) == 0;
@@ -466,14 +470,18 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
                "cudaMemcpy (pack jobs)");
     m.pack_jobs = jobs;
   }
+  m.forward_jobs = forward_jobs;
   std::vector<kernels::WatchedRegion> regions;
   for (size_t i = 0; i < params.size(); ++i)
     regions.push_back({params[i], size_t(t.param_numel[i]) * param_dtype_bytes(pd)});
-  // Captured graphs hold the watch's chunk table, or no check at all (weights from set_weights): recapture them.
-  if (m.watch.watch(regions, m.sm_count))
+  // Captured graphs hold the watches' chunk tables and the job counts, or no check at all (weights from
+  // set_weights): recapture them.
+  const bool moved = m.watch.watch(regions, m.sm_count);
+  if (m.train_watch.watch(regions, m.sm_count) || moved || !same) {
     m.clear_graphs();
-  else if (!same)
-    m.watch.invalidate();
+    m.watch.invalidate();  // every verdict starts as "changed"
+    m.train_watch.invalidate();
+  }
   // The forwards repack from these parameters whenever they change; this call's stream needs nothing now.
   (void)stream;
   if (!m.have_weights) set_input_affine({}, {});
@@ -503,7 +511,7 @@ uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensor
   m.train_graphs.run(
       key, stream,
       [&](cudaStream_t s) {
-        m.sync_weights(s);
+        m.sync_training_weights(s);
         m.launch(g, tb.act, stem, tail, s);
       },
       m.use_graphs);

@@ -760,3 +760,39 @@ def test_encoder_in_a_callers_cuda_graph_follows_writes(make_reference):
             assert rel_err(y, reference64(ref, x)) <= ENC_TOL, f"the caller's graph after write {step}"
             for k in range(3):  # kfuse's own graph of the other geometry must still see it
                 assert rel_err(enc(xd_big), reference64(ref, x_big)) <= ENC_TOL, f"kfuse's graph, call {k}, write {step}"
+
+
+# -- each parameter alone -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch", [16, 128])
+def test_encoder_inference_follows_a_write_of_each_parameter_alone(make_reference, batch):
+    """Writing any single parameter through .data, with nothing else changed, must reach the next replay of the
+    captured inference forward: the fingerprint must cover every parameter (the first and the last of its chunk
+    table, the one-element FixUp scalars, the stem), and a forward that checked some of them late (after their first
+    reader; block i + 1's fixup_bias1a is read by block i's last kernel) would compute with an old value. Batch 128 is
+    the benchmark's shape (its own kernel choices); 16 the other tests'."""
+    ref = make_reference(in_channels=3, seed=77)
+    enc = kfuse.ResNetEncoder.from_torch(ref).to(DEVICE, torch.float16)
+    gen = torch.Generator().manual_seed(78)
+    x = torch.rand(batch, 3, 64, 64, generator=gen)
+    xd = x.to(DEVICE, torch.float16)
+    with torch.no_grad():
+        for _ in range(3):  # eager, captured, replayed
+            before = enc(xd).clone()
+    failures = []
+    params = dict(enc.named_parameters())
+    ref_params = dict(ref.named_parameters())
+    for name, p in params.items():
+        with torch.no_grad():
+            new = perturbed(p, gen)
+            p.data.copy_(new)
+            ref_params[name].copy_(p.detach().float().cpu())  # the values the module holds (fp16-rounded)
+            outs = [enc(xd).clone() for _ in range(2)]
+        y64 = reference64(ref, x)
+        for i, y in enumerate(outs):
+            e = rel_err(y, y64)
+            if not e <= ENC_TOL:
+                failures.append(f"{name}, call {i}: output off by {e:.2e} (bound {ENC_TOL:.0e})")
+        if torch.equal(outs[0], before):
+            failures.append(f"{name}: output bit-identical to the one before its write")
+        before = outs[-1]
+    assert not failures, "; ".join(failures)

@@ -14,7 +14,7 @@ import kfuse
 from kfuse import _C, reference
 from conftest import randomize
 
-CONFIG = (3, 64, [1, 1, 1, 1])
+CONFIG = (3, 64, [1, 1, 1, 1], False)  # in_channels, base_planes, layers, training
 
 
 def _encoder(dtype=torch.float64, seed=5):

@@ -23,8 +23,13 @@ enum class ParamDType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 //   kPooled:  src [k][c][1][1] -> T [k][3][3][c] = src / 9            (avgpool3x3 + conv1x1 as one 3x3 conv)
 //   kStem:    src [p][kin][1][1] -> T [kpad][p], rows >= kin zero    (the stem's GEMM operand B)
 //   kTapPlanes: src [k][c][r][s] -> T [r][s][c / 8][k][c % 8]         (the warpgroup-MMA block's filter image:
-//             one 16-byte row per output channel and (tap, 8-channel group), copied to shared memory as it is); with
-//             k0: output channels k0 .. k0 + k - 1 of a filter of `k_total` (a slice of a fused kernel's stream)
+//             one 16-byte row per output channel and (tap, 8-channel group), copied to shared memory as it is; c % 8
+//             == 0); with k0: output channels k0 .. k0 + k - 1 of a filter with more (a slice of a fused kernel's
+//             stream)
+// count is the layout's size (k * r * s * c; kPooled k * 9 * c; kStem r * k). T values are to_t<T>(float(src)),
+// kPooled's to_t<T>(float(src) / 9.0f). Fast path (weight_layout.cu): r * s <= 9; src 16-byte aligned with c * r * s
+// a multiple of 16 bytes' worth of elements; dst 16-byte aligned with the channel count along its contiguous runs
+// (c; kFlip: k) a multiple of 8. Other jobs are packed to the same bytes, slower.
 enum class PackKind : int32_t { kCopyF32 = 0, kKrsc, kFlip, kPooled, kStem, kTapPlanes };
 struct PackJob {
   const void* src = nullptr;
@@ -35,8 +40,10 @@ struct PackJob {
   int32_t k = 0, c = 0, r = 0, s = 0;  // kStem: k = p, c = kin, r = kpad
   int32_t k0 = 0;                      // kTapPlanes: the first output channel
 };
-// jobs: device array of `count` PackJob.
-// run_flag: where non-null, the kernel returns at once unless *run_flag != 0.
+// jobs: device array of `count` PackJob; one launch of a grid sized by the device (nothing about the jobs is read on
+// the host). run_flag (device memory, may be null): the kernel packs only where *run_flag != 0; at 0 every CTA returns
+// after reading it and nothing is written, so a device-side decision (have the parameters changed?) gates a launch
+// that stays in a captured graph.
 cudaError_t launch_pack_params(const PackJob* jobs, int count, void* dst_base, ConvDType dtype, cudaStream_t stream,
                                const unsigned* run_flag = nullptr);
 
