@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kfuse/encoder_options.h"
 #include "kfuse/encoder_params.h"
 #include "kfuse/safetensors.h"  // DType
 #include "kfuse/tuner.h"
@@ -32,13 +33,16 @@ class EncoderGpu {
  public:
   // Throws Unsupported without a CUDA device of compute capability >= 8.0, InvalidArgument for configurations the
   // kernels do not cover (base_planes must be a multiple of 16).
-  EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int device = 0);
+  // `options` (kfuse/encoder_options.h) choose among the forward's and the training step's code paths; developer
+  // A/B overrides from the environment apply on top (options() returns the result).
+  EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int device = 0, const EncoderOptions& options = {});
   ~EncoderGpu();
   EncoderGpu(const EncoderGpu&) = delete;
   EncoderGpu& operator=(const EncoderGpu&) = delete;
 
   const EncoderConfig& config() const;
   GpuPrecision precision() const;
+  const EncoderOptions& options() const;
 
   // Packs the parameters into the kernels' layouts on the device (synchronous). These values hold until the next
   // set_weights or set_weights_device. One of them must precede forward().
@@ -96,43 +100,38 @@ class EncoderGpu {
   size_t graph_count() const;
 
   // Programmatic dependent launch (compute capability 9.0+): a kernel of the forward may start while its predecessor
-  // finishes, waiting on the device for its data. On where the device supports it, unless the environment sets
-  // KFUSE_PDL=0 when the encoder is created (1-3 pick which boundaries launch early; 3, the default, leaves out the
-  // blocks whose shortcut runs concurrently); off for good if a capture with it ever fails.
+  // finishes, waiting on the device for its data. On where the device supports it, unless options.programmatic_launch is
+  // 0 (1-3 pick which boundaries launch early; 3, the default, leaves out the blocks whose shortcut runs
+  // concurrently); off for good if a capture with it ever fails.
   bool uses_programmatic_launch() const;
 
   // How many blocks of the inference forward on H x W inputs run as one fused kernel each (conv1, conv2 and the
   // squeeze-excite of a 64-channel identity-shortcut block with its image on chip: block 1 at up to 64 x 64 inputs).
-  // Where the device has the shared memory for it (227 KB per block: Hopper), unless the environment sets
-  // KFUSE_FUSED_BLOCK=0 when the encoder is created.
+  // Where the device has the shared memory for it (227 KB per block: Hopper), unless options.fused_blocks is off.
   int fused_block_count(int h, int w) const;
   // How many of those run as the Hopper warpgroup-MMA kernel (compute capability 9.0, 16 x 16 maps: 64 x 64 inputs),
-  // which the training forward also uses (writing the backward's stash), unless the environment sets
-  // KFUSE_WGMMA_BLOCK=0 (or KFUSE_FUSED_BLOCK=0) when the encoder is created.
+  // which the training forward also uses (writing the backward's stash), unless options.wgmma_blocks (or fused_blocks) is off.
   int wgmma_block_count(int h, int w) const;
   // How many downsampling blocks of the inference forward on h x w inputs run as one Hopper warpgroup-MMA kernel each
   // (kernels::launch_fused_down_block_wgmma: 64 -> 128 channels at 16 x 16 input maps and 128 -> 256 at 8 x 8, i.e.
-  // blocks 2 and 3 of the default network at 64 x 64), unless the environment sets KFUSE_FUSED_DOWN=0 (none) or 2
-  // (block 2's shape only) when the encoder is created.
+  // blocks 2 and 3 of the default network at 64 x 64), as options.fused_down says (0: none;
+  // 2: block 2's shape only).
   int down_block_count(int h, int w) const;
   // How many downsampling blocks of the inference forward on h x w inputs run their shortcut (pool + 1x1), squeeze-
   // excite and join as one Hopper cluster kernel after conv1 and conv2 (kernels::launch_shortcut_excite_cluster:
-  // 256 -> 512 channels at 4 x 4 input maps, i.e. block 4 of the default network at 64 x 64), unless the environment
-  // sets KFUSE_FUSED_TAIL=0 when the encoder is created.
+  // 256 -> 512 channels at 4 x 4 input maps, i.e. block 4 of the default network at 64 x 64), where options.fused_tail is on.
   int tail_block_count(int h, int w) const;
   // How many blocks of the inference forward on n x C x h x w inputs have conv2's GEMM compute their squeeze-excite's
   // fc1 pre-activations (kernels::launch_squeeze_projection: the last block, when its conv2 runs as the dense GEMM
   // from a prepared filter, n at most the SM count), as decided at that geometry's first forward; 0 before it or
-  // where the environment sets KFUSE_SE_PROJECTION=0 when the encoder is created.
+  // where options.se_projection is off.
   int squeeze_projection_count(int n, int h, int w) const;
   // Whether the inference forward on n x C x h x w inputs computes the stem inside block 1's warpgroup-MMA kernel
-  // (each CTA the stem of its own image: n at most the SM count), unless the environment sets KFUSE_FUSED_STEM=0
-  // when the encoder is created.
+  // (each CTA the stem of its own image: n at most the SM count), unless options.fused_stem is off.
   bool stem_in_block(int n, int h, int w) const;
   // How many blocks of the training step on n x C x h x w inputs run conv1 with its FixUp epilogue as one cuDNN graph
   // (and how many also conv2's data gradient with the ReLU mask), as decided at that geometry's first forward_train;
-  // {0, 0} before it. KFUSE_CUDNN_FUSED (read when the training state is created) chooses: 1 where the tuner runs
-  // conv1 in cuDNN, all, or 0.
+  // {0, 0} before it. options.cudnn_fused chooses: 1 where the tuner runs conv1 in cuDNN, 2 all, or 0.
   std::pair<int, int> cudnn_fused_count(int n, int h, int w) const;
 
   struct Impl;  // opaque (src/runtime/encoder_gpu_impl.h)

@@ -130,10 +130,15 @@ class ResNetEncoder(reference.ResNetEncoder):
 
     The parameters and ``state_dict`` keys are bps-nav's: ``load_state_dict`` takes a bps-nav backbone's state
     dict as is. Input: (N, in_channels, H, W), H and W multiples of 32; output (N, 8 * base_planes, H/32, W/32).
+
+    ``gpu_options``: the CUDA engine's code-path choices by name (the fields of ``kfuse::EncoderOptions``,
+    include/kfuse/encoder_options.h, as ints), for A/B measurements and tests; the defaults are the measured fastest.
     """
 
-    def __init__(self, in_channels: int = 3, base_planes: int = 64, layers: Sequence[int] = (1, 1, 1, 1)):
+    def __init__(self, in_channels: int = 3, base_planes: int = 64, layers: Sequence[int] = (1, 1, 1, 1),
+                 gpu_options: dict[str, int] | None = None):
         super().__init__(in_channels, base_planes, layers)
+        self.gpu_options = dict(gpu_options or {})
         self._kfuse_uid = _script.register(self)
 
     # -- construction ------------------------------------------------------------------------------------------
@@ -407,7 +412,9 @@ class ResNetEncoder(reference.ResNetEncoder):
         entry = engines.get(key)
         if entry is None:
             name = "float16" if precision == torch.float16 else "bfloat16"
-            entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0), None, _NO_AFFINE, None, None]
+            options = self.__dict__.get("gpu_options") or {}
+            entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0, options), None, _NO_AFFINE,
+                                    None, None]
         if all(p.device == device for p in params):
             self._bind(entry, params)
         else:

@@ -12,6 +12,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/map.h>
 
 #include "kfuse/checkpoint.h"
 #include "kfuse/device.h"
@@ -38,6 +39,52 @@ EncoderConfig to_config(const ConfigTuple& t) {
   return c;
 }
 ConfigTuple from_config(const EncoderConfig& c) { return {c.in_channels, c.base_planes, c.layers}; }
+
+#if KFUSE_WITH_CUDA
+// EncoderOptions as a {field name: int} dict (bool fields 0 / 1): every field, in both directions.
+using OptionMap = std::map<std::string, int>;
+
+std::vector<std::pair<const char*, int EncoderOptions::*>> int_options() {
+  return {{"programmatic_launch", &EncoderOptions::programmatic_launch},
+          {"fused_down", &EncoderOptions::fused_down},
+          {"cudnn_fused", &EncoderOptions::cudnn_fused}};
+}
+std::vector<std::pair<const char*, bool EncoderOptions::*>> bool_options() {
+  return {{"fused_blocks", &EncoderOptions::fused_blocks},   {"fused_stem", &EncoderOptions::fused_stem},
+          {"wgmma_blocks", &EncoderOptions::wgmma_blocks},   {"fused_tail", &EncoderOptions::fused_tail},
+          {"se_weights_t", &EncoderOptions::se_weights_t},   {"se_projection", &EncoderOptions::se_projection},
+          {"wgrad_branch", &EncoderOptions::wgrad_branch}};
+}
+
+EncoderOptions to_options(const OptionMap& given) {
+  EncoderOptions o;
+  for (const auto& [name, value] : given) {
+    bool known = false;
+    for (const auto& [n, field] : int_options())
+      if (name == n) o.*field = value, known = true;
+    for (const auto& [n, field] : bool_options())
+      if (name == n) {
+        KFUSE_CHECK(value == 0 || value == 1, InvalidArgument, "encoder option ", name, " is a flag (0 or 1), got ",
+                    value);
+        o.*field = value == 1, known = true;
+      }
+    if (!known) {
+      std::string names;
+      for (const auto& [n, f] : int_options()) names += std::string(names.empty() ? "" : ", ") + n;
+      for (const auto& [n, f] : bool_options()) names += std::string(", ") + n;
+      throw InvalidArgument("unknown encoder option '" + name + "' (options: " + names + ")");
+    }
+  }
+  return o;
+}
+
+OptionMap from_options(const EncoderOptions& o) {
+  OptionMap out;
+  for (const auto& [n, field] : int_options()) out[n] = o.*field;
+  for (const auto& [n, field] : bool_options()) out[n] = o.*field ? 1 : 0;
+  return out;
+}
+#endif
 
 std::string dtype_str(nb::dlpack::dtype d) {
   const char* kind = d.code == uint8_t(nb::dlpack::dtype_code::Float)    ? "float"
@@ -277,14 +324,19 @@ NB_MODULE(_C, m) {
   nb::class_<EncoderGpu>(m, "EncoderGpu",
                          "The fused CUDA inference path of one encoder on one device (weights, activations, graphs)")
       .def("__init__",
-           [](EncoderGpu* self, const ConfigTuple& c, const std::string& precision, int device) {
+           [](EncoderGpu* self, const ConfigTuple& c, const std::string& precision, int device,
+              const OptionMap& options) {
              KFUSE_CHECK(precision == "float16" || precision == "bfloat16", InvalidArgument,
                          "precision must be 'float16' or 'bfloat16', got '", precision, "'");
+             const EncoderOptions o = to_options(options);
              new (self) EncoderGpu(to_config(c), precision == "float16" ? GpuPrecision::kFloat16
                                                                         : GpuPrecision::kBFloat16,
-                                   device);
+                                   device, o);
            },
-           "config"_a, "precision"_a, "device"_a)
+           "config"_a, "precision"_a, "device"_a, "options"_a = OptionMap{},
+           "options: EncoderOptions fields by name (kfuse/encoder_options.h), ints; the rest keep their defaults")
+      .def("options", [](const EncoderGpu& e) { return from_options(e.options()); },
+           "the options in effect (given, with developer overrides from the environment applied)")
       .def("set_weights",
            [](EncoderGpu& e, const std::vector<Array>& params) {
              e.set_weights(to_params<float>(e.config(), params));

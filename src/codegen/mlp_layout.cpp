@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/dev_overrides.h"
+
 namespace kfuse::codegen {
 
 MlpLayout mlp_layout(const MlpSpec& spec) {
@@ -56,8 +58,7 @@ int64_t forward_stage_bytes_per_warp(const MlpSpec& spec, const MlpVariant& v) {
 
 WgmmaForwardLayout wgmma_forward_layout(const MlpSpec& spec, const MlpVariant& v) {
   WgmmaForwardLayout w;
-  const char* env = std::getenv("KFUSE_MLP_MMA_BIAS");
-  w.bias_k = env && std::string(env) == "0" ? 0 : 16;
+  w.bias_k = mlp_codegen_overrides().mma_bias ? 16 : 0;
   int64_t at = 0;
   for (int l = 0; l < spec.num_layers(); ++l) {
     w.weight_offset.push_back(at);

@@ -19,6 +19,7 @@
 #include "codegen/mlp_wgmma_backward.h"
 #include "codegen/mlp_wgmma_forward.h"
 #include "codegen/mlp_wgrad_plan.h"
+#include "core/dev_overrides.h"
 #include "kfuse/error.h"
 
 namespace kfuse::codegen {
@@ -178,10 +179,9 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   KernelWriter w(os, v, gemms, m.fwd_region_halves * 2);
   // Stores go through the warp's staging area after the weights (store_c_staged).
   const int stage_ld = forward_stage_ld(s);
-  // KFUSE_MLP_STAGED_STORES=0 writes the fragments directly instead (the A/B switch; the
-  // shared memory stays reserved either way).
-  const char* env = std::getenv("KFUSE_MLP_STAGED_STORES");
-  const bool stage_stores = !(env && std::string(env) == "0");
+  // The developer override KFUSE_MLP_STAGED_STORES=0 writes the fragments directly instead (the shared memory stays
+  // reserved either way).
+  const bool stage_stores = mlp_codegen_overrides().staged_stores;
   auto staged = [&](int width, const std::string& acc, const std::string& out) {
     if (!stage_stores) return cat("store_c<", width, ", ", width, ">(", acc, ", ", out, ", row, p.batch, q);");
     return cat("store_c_staged<", width, ", ", stage_ld, ">(", acc, ", ", out,

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "codegen/mlp_codegen.h"
+#include "core/dev_overrides.h"
 
 namespace kfuse::codegen {
 
@@ -358,10 +359,7 @@ __device__ __forceinline__ void wgmma_layer_chain(float (&d)[1][NT][4], const u3
 }
 
 namespace {
-bool packed_relu_enabled() {
-  const char* env = std::getenv("KFUSE_MLP_PACKED_RELU");
-  return !(env && std::string(env) == "0");
-}
+bool packed_relu_enabled() { return mlp_codegen_overrides().packed_relu; }
 }  // namespace
 
 void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m) {

@@ -1,7 +1,5 @@
 #include "kernels/programmatic_launch.h"
 
-#include <cstdlib>
-#include <cstring>
 
 namespace kfuse::kernels {
 
@@ -15,8 +13,6 @@ PdlScope::PdlScope(bool on) : previous_(g_requested) { g_requested = on; }
 PdlScope::~PdlScope() { g_requested = previous_; }
 
 bool pdl_supported(int device) {
-  const char* env = std::getenv("KFUSE_PDL");
-  if (env && std::strcmp(env, "0") == 0) return false;
   int major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
     (void)cudaGetLastError();  // a failed query leaves no error behind

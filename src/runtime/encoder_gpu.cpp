@@ -3,6 +3,7 @@
 // a CUDA graph whose input and output pointers are patched on replay.
 #include "kfuse/encoder_gpu.h"
 
+#include "core/dev_overrides.h"
 #include "kfuse/device.h"
 #include "runtime/encoder_gpu_impl.h"
 
@@ -13,17 +14,6 @@
 namespace kfuse {
 
 namespace {
-
-// An on/off A/B switch from the environment: unset or empty keeps `flag`; "0" or "1" sets it; anything else is an
-// error naming the variable (`off` says what 0 means).
-void read_switch(const char* name, const char* off, bool& flag) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return;
-  const std::string on = v;
-  KFUSE_CHECK(on == "0" || on == "1", InvalidArgument, name, " must be 0 (", off, ") or 1, got '", on, "'");
-  flag = on == "1";
-}
-
 
 // Captures the forward for (g, stem, tail) as a graph into `out`, its stem and tail nodes found as they are
 // launched. Returns "" or why it failed.
@@ -58,7 +48,8 @@ std::string capture_forward(EncoderGpu::Impl& m, const Geometry& g, const kernel
 
 }  // namespace
 
-EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int device) : impl_(new Impl) {
+EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int device, const EncoderOptions& options)
+    : impl_(new Impl) {
   config.validate();
   KFUSE_CHECK(config.base_planes % 16 == 0, InvalidArgument,
               "the CUDA path needs base_planes to be a multiple of 16, got ", config.base_planes);
@@ -74,26 +65,24 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
   m.kpad = (16 * config.in_channels + 63) / 64 * 64;
   m.sm_count = info.sm_count;
   m.tuning_mode = tuning_mode_from_env();
-  m.use_pdl = kernels::pdl_supported(device);
-  if (const char* v = std::getenv("KFUSE_PDL"); v && *v) {
-    const std::string policy = v;
-    KFUSE_CHECK(policy == "0" || policy == "1" || policy == "2" || policy == "3", InvalidArgument,
-                "KFUSE_PDL must be 0 (off), 1, 2 or 3 (which kernel boundaries launch early), got '", policy, "'");
-    if (policy != "0") m.pdl_policy = policy[0] - '0';
-  }
-  read_switch("KFUSE_FUSED_BLOCK", "off", m.fuse_blocks);
-  read_switch("KFUSE_FUSED_STEM", "off", m.fuse_stem);
-  read_switch("KFUSE_WGMMA_BLOCK", "off", m.wgmma_blocks);
-  if (const char* v = std::getenv("KFUSE_FUSED_DOWN"); v && *v) {
-    const std::string on = v;
-    KFUSE_CHECK(on == "0" || on == "1" || on == "2", InvalidArgument,
-                "KFUSE_FUSED_DOWN must be 0 (off), 1 (blocks 2 and 3) or 2 (block 2 only), got '", on, "'");
-    m.fuse_down = on != "0";
-    m.fuse_down_group = on == "1";
-  }
-  read_switch("KFUSE_FUSED_TAIL", "off", m.fuse_tail);
-  read_switch("KFUSE_SE_WEIGHTS_T", "fp32 fc weights", m.se_weights_t);
-  read_switch("KFUSE_SE_PROJECTION", "off", m.se_projection);
+  // The caller's options, with the developer's A/B overrides (core/dev_overrides.h) on top.
+  const EncoderOptions o = m.options = with_dev_overrides(options);
+  KFUSE_CHECK(o.programmatic_launch >= 0 && o.programmatic_launch <= 3, InvalidArgument,
+              "EncoderOptions::programmatic_launch must be 0 .. 3, got ", o.programmatic_launch);
+  KFUSE_CHECK(o.fused_down >= 0 && o.fused_down <= 2, InvalidArgument, "EncoderOptions::fused_down must be 0 .. 2, got ",
+              o.fused_down);
+  KFUSE_CHECK(o.cudnn_fused >= 0 && o.cudnn_fused <= 2, InvalidArgument,
+              "EncoderOptions::cudnn_fused must be 0 .. 2, got ", o.cudnn_fused);
+  m.use_pdl = o.programmatic_launch != 0 && kernels::pdl_supported(device);
+  if (o.programmatic_launch != 0) m.pdl_policy = o.programmatic_launch;
+  m.fuse_blocks = o.fused_blocks;
+  m.fuse_stem = o.fused_stem;
+  m.wgmma_blocks = o.wgmma_blocks;
+  m.fuse_down = o.fused_down != 0;
+  m.fuse_down_group = o.fused_down == 1;
+  m.fuse_tail = o.fused_tail;
+  m.se_weights_t = o.se_weights_t;
+  m.se_projection = o.se_projection;
   m.cc_major = info.major;
   m.cc_minor = info.minor;
   int optin = 0;
@@ -131,6 +120,7 @@ EncoderGpu::~EncoderGpu() {
 
 const EncoderConfig& EncoderGpu::config() const { return impl_->config; }
 GpuPrecision EncoderGpu::precision() const { return impl_->precision; }
+const EncoderOptions& EncoderGpu::options() const { return impl_->options; }
 void EncoderGpu::set_tuning_mode(TuningMode mode) { impl_->tuning_mode = mode; }
 TuningMode EncoderGpu::tuning_mode() const { return impl_->tuning_mode; }
 

@@ -24,6 +24,7 @@
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
 #include "runtime/launch_graph_cache.h"
+#include "kfuse/encoder_options.h"
 #include "runtime/weight_watch.h"
 #include "runtime/half_bits.h"
 
@@ -271,41 +272,42 @@ struct EncoderGpu::Impl {
   float* input_affine = nullptr;  // [2][C]: scale then shift
   bool use_affine = false;
   bool use_graphs = true;
+  EncoderOptions options;  // as given at construction, with the developer overrides applied
   // Programmatic dependent launch between the forward's kernels (kernels/programmatic_launch.h): on where the device
-  // supports it (compute capability 9.0+) unless KFUSE_PDL=0; turned off for good if a capture with it fails.
+  // supports it (compute capability 9.0+) unless options.programmatic_launch is 0; turned off for good if a capture
+  // with it fails.
   bool use_pdl = false;
-  // Which kernel boundaries launch programmatically (KFUSE_PDL, read at construction):
+  // Which kernel boundaries launch programmatically (options.programmatic_launch):
   //   1: every one after the stem that follows a single kfuse kernel;
   //   2: not conv2 of a block whose shortcut runs on the side branch: conv2's CTAs, resident early while conv1
   //      runs, take the SMs the concurrent shortcut needs (measured: 1 is 8% slower than no PDL at all);
   //   3 (default): none inside such a block, so only block 1's chain and the stem's successor (the best measured:
   //      ~1 us per early-launched boundary).
   int pdl_policy = 3;
-  // Blocks that fit kernels::launch_fused_block run as that one kernel in the inference forward (KFUSE_FUSED_BLOCK=0:
-  // never; the A/B switch).
+  // Blocks that fit kernels::launch_fused_block run as that one kernel in the inference forward (options.fused_blocks).
   bool fuse_blocks = true;
-  bool fuse_stem = true;  // KFUSE_FUSED_STEM=0: the stem kernel even where block 1's kernel could compute it
+  bool fuse_stem = true;  // false: the stem kernel even where block 1's kernel could compute it (options.fused_stem)
   // Where they apply (Hopper, 16 x 16 maps), such blocks run as the warpgroup-MMA kernel instead, in inference and in
-  // the training forward (kernels::launch_fused_block_wgmma); KFUSE_WGMMA_BLOCK=0: never (the A/B switch).
+  // the training forward (kernels::launch_fused_block_wgmma); options.wgmma_blocks.
   bool wgmma_blocks = true;
   // Where it applies (Hopper; 16 x 16 input maps for block 2's shape, 8 x 8 for block 3's), a downsampling block of
   // kernels::launch_fused_down_block_wgmma's shapes runs as that one kernel in the inference forward.
-  // KFUSE_FUSED_DOWN (the A/B switch): 0 never, 2 block 2's shape only (one CTA per image), 1 (default) both.
+  // options.fused_down: 0 never, 2 block 2's shape only (one CTA per image), 1 (default) both.
   bool fuse_down = true;
   bool fuse_down_group = true;  // block 3's shape (a group of 4 CTAs per 4 images)
   // Where it applies (Hopper, 4 x 4 input maps of block 4's shape), the last downsampling block's shortcut,
   // squeeze-excite and join run as kernels::launch_shortcut_excite_cluster after its conv1 and conv2, instead of the
-  // shortcut convolution on a side branch and the squeeze-excite kernel. Opt-in (KFUSE_FUSED_TAIL=1): at batch 128 on
+  // shortcut convolution on a side branch and the squeeze-excite kernel. Opt-in (options.fused_tail): at batch 128 on
   // H100 the cluster kernel took 10.8 us against the 4.9 us of the squeeze-excite it replaces (the shortcut runs beside
   // conv1 for free), 72.4 against 67.5 us per forward back to back.
   bool fuse_tail = false;
   // The inference forward's squeeze-excite kernels read the fc weights as T where they can (BlockWeights::fc_t).
-  // KFUSE_SE_WEIGHTS_T=0: always fp32 (the A/B switch).
+  // options.se_weights_t false: always fp32.
   bool se_weights_t = true;
   // Where the last block's conv2 runs as the dense GEMM from a prepared filter (batch up to the SM count), that
   // filter carries the squeeze projection (kernels::launch_squeeze_projection) as extra rows: the GEMM computes fc1's
-  // pre-activations with o and the squeeze-excite skips its squeeze and fc1. KFUSE_SE_PROJECTION=0: never (the A/B
-  // switch; H100, batch 128: squeeze-excite 4.0 against 5.3 us, back to back 65.4 against 66.6 us).
+  // pre-activations with o and the squeeze-excite skips its squeeze and fc1 (options.se_projection;
+  // H100, batch 128: squeeze-excite 4.0 against 5.3 us, back to back 65.4 against 66.6 us).
   bool se_projection = true;
   int cc_major = 0, cc_minor = 0;
   size_t smem_optin = 0;  // the device's shared memory per block with opt-in

@@ -77,16 +77,16 @@ struct TrainingState {
   size_t se_scratch_bytes = 0;  // after the halves: one area per block for the squeeze-excite backward
   // The weight gradients run on a side branch (Impl::side): fork after the kernel that produces their dL/dout, one
   // join at the end of the step (events, which stream capture turns into parallel graph branches).
-  // KFUSE_WGRAD_BRANCH=0 keeps everything on the main stream (for measuring the difference: the branch took a
-  // batch-2048 step from 3.008 to 2.765 ms on H100).
+  // options.wgrad_branch false keeps everything on the main stream (the branch took a batch-2048 step from 3.008 to
+  // 2.765 ms on H100).
   bool wgrad_branch = true;
   std::vector<cudaEvent_t> wgrad_fork;
   cudaEvent_t wgrad_join = nullptr;
   bool weights_from_device = false;
   // cuDNN graphs for conv1 + its FixUp epilogue and conv2's data gradient + the ReLU mask (kernels/conv/cudnn_fused.h):
-  // KFUSE_CUDNN_FUSED=1 (default) where the tuner runs conv1 in cuDNN anyway (it would pay a separate epilogue pass),
-  // "all" in every block that cuDNN supports (for tests), 0 never (the A/B switch: the graphs save ~85 us per
-  // batch-2048 step on H100).
+  // options.cudnn_fused 1 (default) where the tuner runs conv1 in cuDNN anyway (it would pay a separate epilogue
+  // pass), 2 in every block that cuDNN supports (for tests), 0 never (the graphs save ~85 us per batch-2048 step on
+  // H100).
   enum class CudnnFused { kOff, kWhereCudnn, kAll } cudnn_fused = CudnnFused::kWhereCudnn;
   // Backward convolution choices per shape (conv_shape_key of the forward problem): the tuner's, else the heuristic.
   std::map<std::string, WgradChoice> wgrad_choice;
@@ -131,21 +131,10 @@ TrainingState& training(EncoderGpu::Impl& m) {
   if (!m.training) {
     m.training.reset(new TrainingState);
     TrainingState& t = *m.training;
-    if (const char* v = std::getenv("KFUSE_WGRAD_BRANCH"); v && *v) {
-      const std::string branch = v;
-      KFUSE_CHECK(branch == "0" || branch == "1", InvalidArgument,
-                  "KFUSE_WGRAD_BRANCH must be 0 (everything on the main stream) or 1 (the weight gradients on a side "
-                  "branch), got '", branch, "'");
-      t.wgrad_branch = branch == "1";
-    }
-    if (const char* v = std::getenv("KFUSE_CUDNN_FUSED"); v && *v) {
-      const std::string f = v;
-      KFUSE_CHECK(f == "0" || f == "1" || f == "all", InvalidArgument,
-                  "KFUSE_CUDNN_FUSED must be 0 (never), 1 (where the tuner runs conv1 in cuDNN) or all, got '", f,
-                  "'");
-      t.cudnn_fused = f == "0" ? TrainingState::CudnnFused::kOff
-                               : f == "1" ? TrainingState::CudnnFused::kWhereCudnn : TrainingState::CudnnFused::kAll;
-    }
+    t.wgrad_branch = m.options.wgrad_branch;
+    t.cudnn_fused = m.options.cudnn_fused == 0   ? TrainingState::CudnnFused::kOff
+                    : m.options.cudnn_fused == 1 ? TrainingState::CudnnFused::kWhereCudnn
+                                                 : TrainingState::CudnnFused::kAll;
     int64_t off = 0;
     const auto specs = m.config.parameter_specs();
     for (size_t i = 0; i < specs.size(); ++i) {

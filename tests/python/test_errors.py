@@ -95,3 +95,12 @@ def test_bad_configuration():
 def test_from_torch_rejects_other_modules():
     with pytest.raises(ValueError, match="not a bps-nav SE-ResNet-FixUp encoder"):
         kfuse.ResNetEncoder.from_torch(torch.nn.Linear(3, 4))
+
+
+@pytest.mark.skipif(not hasattr(_C, "EncoderGpu"), reason="a build without CUDA has no EncoderGpu")
+def test_encoder_options_are_checked_before_anything_else():
+    # Checked before the device is looked at: these run on machines without a GPU too.
+    with pytest.raises(ValueError, match="unknown encoder option 'fused_blockz'.*fused_blocks"):
+        _C.EncoderGpu(CFG, "float16", 0, {"fused_blockz": 1})
+    with pytest.raises(ValueError, match="fused_stem is a flag"):
+        _C.EncoderGpu(CFG, "float16", 0, {"fused_stem": 2})
