@@ -35,8 +35,8 @@ void read_flag(const char* name, const char* off, bool& flag) {
 
 EncoderOptions with_dev_overrides(EncoderOptions o) {
   if (const char* v = value_of("KFUSE_PDL"))
-    o.programmatic_launch = choice("KFUSE_PDL", v, {"0", "1", "2", "3"},
-                                   "0 (off), 1, 2 or 3 (which kernel boundaries launch early)");
+    o.programmatic_launch =
+        choice("KFUSE_PDL", v, {"0", "1", "2", "3"}, "0 (off), 1, 2 or 3 (which kernel boundaries launch early)");
   read_flag("KFUSE_FUSED_BLOCK", "off", o.fused_blocks);
   read_flag("KFUSE_FUSED_STEM", "off", o.fused_stem);
   read_flag("KFUSE_WGMMA_BLOCK", "off", o.wgmma_blocks);
@@ -47,8 +47,8 @@ EncoderOptions with_dev_overrides(EncoderOptions o) {
   read_flag("KFUSE_SE_PROJECTION", "off", o.se_projection);
   read_flag("KFUSE_WGRAD_BRANCH", "everything on the main stream", o.wgrad_branch);
   if (const char* v = value_of("KFUSE_CUDNN_FUSED"))
-    o.cudnn_fused = choice("KFUSE_CUDNN_FUSED", v, {"0", "1", "all"},
-                           "0 (never), 1 (where the tuner runs conv1 in cuDNN) or all");
+    o.cudnn_fused =
+        choice("KFUSE_CUDNN_FUSED", v, {"0", "1", "all"}, "0 (never), 1 (where the tuner runs conv1 in cuDNN) or all");
   return o;
 }
 

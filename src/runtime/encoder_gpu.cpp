@@ -69,8 +69,8 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
   const EncoderOptions o = m.options = with_dev_overrides(options);
   KFUSE_CHECK(o.programmatic_launch >= 0 && o.programmatic_launch <= 3, InvalidArgument,
               "EncoderOptions::programmatic_launch must be 0 .. 3, got ", o.programmatic_launch);
-  KFUSE_CHECK(o.fused_down >= 0 && o.fused_down <= 2, InvalidArgument, "EncoderOptions::fused_down must be 0 .. 2, got ",
-              o.fused_down);
+  KFUSE_CHECK(o.fused_down >= 0 && o.fused_down <= 2, InvalidArgument,
+              "EncoderOptions::fused_down must be 0 .. 2, got ", o.fused_down);
   KFUSE_CHECK(o.cudnn_fused >= 0 && o.cudnn_fused <= 2, InvalidArgument,
               "EncoderOptions::cudnn_fused must be 0 .. 2, got ", o.cudnn_fused);
   m.use_pdl = o.programmatic_launch != 0 && kernels::pdl_supported(device);

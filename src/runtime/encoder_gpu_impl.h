@@ -384,63 +384,7 @@ struct EncoderGpu::Impl {
 
   using Device = DeviceGuard;  // makes `device` current for a scope
 
-  Activations& buffers(const Geometry& g) {
-    auto it = activations.find(g);
-    if (it != activations.end()) return it->second;
-    const size_t es = 2;
-    std::vector<size_t> sizes;  // element counts in allocation order
-    Activations act;
-    int h = g.h / 4, w = g.w / 4;
-    size_t total = 0;
-    auto take = [&](size_t elems) {
-      const size_t off = total;
-      total += (elems * es + 255) / 256 * 256;
-      return off;
-    };
-    const size_t x0 = take(size_t(g.n) * h * w * config.base_planes);
-    struct Offs {
-      size_t x, a, h2, idt, o, partials = SIZE_MAX, sync = SIZE_MAX;
-    };
-    std::vector<Offs> offs;
-    for (const auto& b : blocks) {
-      const size_t in = size_t(g.n) * h * w * b.in_planes;
-      const int ho = h / b.stride, wo = w / b.stride;
-      const size_t out = size_t(g.n) * ho * wo * b.planes;
-      Offs o{};
-      o.x = b.has_downsample ? SIZE_MAX : take(in);
-      o.a = take(in);
-      o.h2 = take(out);
-      o.idt = b.has_downsample ? take(out) : SIZE_MAX;
-      // The last block's o has room for fc1's pre-activations per image (squeeze_projection_rows).
-      o.o = take(&b == &blocks.back() ? out + size_t(g.n) * projection_rows_max(b) : out);
-      if (fusable_down_block_shape(b) && down_stream_offsets(b).ranks > 1) {
-        const size_t groups = size_t(kernels::fused_down_block_groups(g.n));
-        o.partials = take(groups * 1024 / es);
-        o.sync = take((1 + 2 * groups) * 4 / es + 2);
-      }
-      offs.push_back(o);
-      h = ho;
-      w = wo;
-    }
-    check_cuda(cudaMalloc(&act.base, total), "cudaMalloc (activations)");
-    auto at = [&](size_t off) { return off == SIZE_MAX ? nullptr : static_cast<void*>(static_cast<uint8_t*>(act.base) + off); };
-    act.x0 = at(x0);
-    for (const Offs& o : offs) {
-      act.x.push_back(at(o.x));
-      act.a.push_back(at(o.a));
-      act.h2.push_back(at(o.h2));
-      act.idt.push_back(at(o.idt));
-      act.o.push_back(at(o.o));
-      act.partials.push_back(static_cast<float*>(at(o.partials)));
-      act.sync.push_back(static_cast<unsigned*>(at(o.sync)));
-      if (o.sync != SIZE_MAX)  // the counters start at zero; every launch leaves them ready for the next
-        check_cuda(cudaMemset(at(o.sync), 0, (1 + 2 * size_t(kernels::fused_down_block_groups(g.n))) * 4),
-                   "cudaMemset (block synchronization counters)");
-    }
-    // Block 1's identity is the stem output itself.
-    if (!blocks.empty() && !blocks[0].has_downsample) act.x[0] = act.x0;
-    return activations.emplace(g, std::move(act)).first->second;
-  }
+  Activations& buffers(const Geometry& g);
 
   // Kernel configuration per convolution: the tuner's choice when there is one, else the heuristic.
   int sm_count = 0;
@@ -459,58 +403,14 @@ struct EncoderGpu::Impl {
   }
 
   // Tunes the convolutions of geometry g (conv1 with its ReLU epilogue, conv2 and the shortcut without).
-  std::vector<OpTuningReport> tune(const Geometry& g, TuningMode mode, const EncoderGpu::TuneProgress& progress) {
-    if (!tuning_scratch) tuning_scratch = std::make_unique<ConvTuningScratch>();
-    if (!tuning_cache) tuning_cache = std::make_unique<TuningCache>();
-    std::vector<std::pair<Conv2dProblem, bool>> todo;
-    int h = g.h / 4, w = g.w / 4;
-    for (const auto& b : blocks) {
-      const auto probs = problems(b, g.n, h, w);
-      for (size_t j = 0; j < probs.size(); ++j) todo.emplace_back(probs[j], j == 0);
-      h /= b.stride;
-      w /= b.stride;
-    }
-    std::vector<OpTuningReport> rows;
-    bool changed = false;
-    for (const auto& [p, relu] : todo) {
-      OpTuningReport row;
-      const ConvConfig before = choose(p, relu);
-      const ConvConfig c = tuning_scratch->tune(p, dtype, relu, *tuning_cache, mode, row);
-      conv_choice[choice_key(p, relu)] = c;
-      changed = changed || !(c == before);
-      rows.push_back(row);
-      if (progress) progress(rows.size(), todo.size(), rows.back());
-    }
-    tuned.insert(g);
-    if (changed) {  // workspace sizes and captured kernels may be stale; graphs in flight must finish first
-      check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      checked.clear();
-      prepared_for.clear();
-      clear_graphs();
-    }
-    return rows;
-  }
+  std::vector<OpTuningReport> tune(const Geometry& g, TuningMode mode, const EncoderGpu::TuneProgress& progress);
 
   // w: the KRSC filter's offset in the weights. A configuration that runs from a prepared filter
   // (ConvConfig::unrolled) uses the inference forward's (ensure_prepared_filters) where there is one; the training
   // forward, whose weights change every step, and a forward captured by the caller before one was made run it from
   // the KRSC filter instead (ensure_workspace sizes for both).
   void conv(const Conv2dProblem& p, const void* x, size_t w, void* y, const kernels::FixupEpilogue& e,
-            cudaStream_t stream, bool side_branch, bool training) {
-    ConvConfig c = choose(p, e.relu);
-    const void* filter = wptr(w);
-    if (prepared_filter_bytes(c, p, dtype) > 0) {
-      const auto it = training ? prepared.end() : prepared.find(prepared_key(c, p, w));
-      if (it != prepared.end()) filter = it->second.data;
-      else c = c.unprepared();
-    }
-    const size_t need = fixup_conv_workspace_bytes(c, p, dtype);
-    if (need > conv_workspace_bytes) throw Error("kfuse: conv workspace too small (internal error)");
-    void* ws = conv_workspace ? static_cast<uint8_t*>(conv_workspace) + (side_branch ? conv_workspace_bytes : 0)
-                              : nullptr;
-    check_cuda(run_fixup_conv(c, p, dtype, x, filter, y, e, ws, conv_workspace_bytes, stream),
-               "conv2d_fprop_fixup (" + c.name() + ", " + conv_shape_key(p) + ")");
-  }
+            cudaStream_t stream, bool side_branch, bool training);
 
   // Filters prepared ahead of time for the inference forward's convolutions (ConvConfig::unrolled), per
   // (configuration, problem, filter offset): made on the caller's stream before a geometry's first launch, remade in
@@ -559,89 +459,16 @@ struct EncoderGpu::Impl {
     return it != prepared.end() && it->second.extra_rows > 0 ? &it->second : nullptr;
   }
   // The projection rows and w1's row sums of prepared filter f (after its unrolled filter was made), on `stream`.
-  void make_squeeze_projection(const PreparedFilter& f, cudaStream_t stream, const unsigned* run_flag = nullptr) {
-    const Conv2dProblem& p = f.problem;
-    kernels::SqueezeProjectionArgs a;
-    a.wd = f.data;
-    a.po_count = p.p() * p.q();
-    a.k = p.k;
-    a.kd = p.h * p.w * p.c;
-    a.hidden = f.extra_rows;
-    a.w1 = fptr(bw[f.block].fc1_w);
-    a.proj = static_cast<uint8_t*>(f.data) + size_t(a.po_count) * a.k * a.kd * 2;
-    a.rowsum = reinterpret_cast<float*>(static_cast<uint8_t*>(f.data) + f.rowsum_at);
-    a.run_flag = run_flag;
-    check_cuda(kernels::launch_squeeze_projection(a, dtype, stream), "squeeze projection kernel");
-  }
+  void make_squeeze_projection(const PreparedFilter& f, cudaStream_t stream, const unsigned* run_flag = nullptr);
 
   // Once per geometry and set of choices (it runs on every forward call: the host path of a replay).
-  void ensure_prepared_filters(const Geometry& g, cudaStream_t stream) {
-    if (prepared_for.count(g)) return;
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;  // allocates: never inside someone's capture
-    check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-    if (capture != cudaStreamCaptureStatusNone) return;
-    int h = g.h / 4, w = g.w / 4;
-    const size_t before = prepared.size();
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      const auto probs = problems(blocks[i], g.n, h, w);
-      for (size_t j = 0; j < probs.size(); ++j) {
-        const ConvConfig c = choose(probs[j], j == 0);
-        size_t bytes = prepared_filter_bytes(c, probs[j], dtype);
-        const size_t wo = problem_filter(i, j);
-        if (bytes == 0 || prepared.count(prepared_key(c, probs[j], wo))) continue;
-        PreparedFilter f{c, probs[j], wo, nullptr};
-        if (j == 1 && (f.extra_rows = squeeze_projection_rows(i, h, w, c, probs[j])) > 0) {
-          const Conv2dProblem& p = probs[j];
-          const size_t rows = size_t(p.p()) * p.q() * p.k + f.extra_rows, kd = size_t(p.h) * p.w * p.c;
-          f.rowsum_at = std::max(bytes, (rows * kd * 2 + 255) / 256 * 256);
-          f.block = i;
-          bytes = f.rowsum_at + sizeof(float) * f.extra_rows;
-        }
-        check_cuda(cudaMalloc(&f.data, bytes), "cudaMalloc (prepared filter)");
-        prepared.emplace(prepared_key(c, probs[j], wo), f);
-        check_cuda(prepare_conv_filter(c, probs[j], dtype, wptr(wo), f.data, stream),
-                   "preparing the filter of " + c.name() + " (" + conv_shape_key(probs[j]) + ")");
-        if (f.extra_rows > 0) make_squeeze_projection(f, stream);
-      }
-      h /= blocks[i].stride;
-      w /= blocks[i].stride;
-    }
-    prepared_for.insert(g);
-    // Captured graphs repack the prepared filters that existed when they were captured: recapture them all, so that
-    // every graph's repack covers the new ones too.
-    if (prepared.size() != before) clear_graphs();
-  }
+  void ensure_prepared_filters(const Geometry& g, cudaStream_t stream);
   // After the weights changed, on the stream that changed them (asynchronous); run_flag as for repack().
-  void remake_prepared_filters(cudaStream_t stream, const unsigned* run_flag = nullptr) {
-    for (auto& [k, f] : prepared) {
-      check_cuda(prepare_conv_filter(f.config, f.problem, dtype, wptr(f.w), f.data, stream, run_flag),
-                 "preparing the filter of " + f.config.name());
-      if (f.extra_rows > 0) make_squeeze_projection(f, stream, run_flag);  // from the new fc1 weights too
-    }
-  }
+  void remake_prepared_filters(cudaStream_t stream, const unsigned* run_flag = nullptr);
 
   std::map<Geometry, bool> checked;  // geometries whose convolutions were checked and sized
 
-  void ensure_workspace(const Geometry& g) {
-    if (checked.count(g)) return;
-    size_t need = 0;
-    int h = g.h / 4, w = g.w / 4;
-    for (const auto& b : blocks) {
-      const auto probs = problems(b, g.n, h, w);
-      for (size_t j = 0; j < probs.size(); ++j) {
-        const Conv2dProblem& p = probs[j];
-        const ConvConfig c = choose(p, j == 0);
-        if (!fixup_conv_can_implement(c, p, dtype))
-          throw InvalidArgument("kfuse: the fused conv kernels cannot run block '" + b.prefix + "' at this size");
-        need = std::max({need, fixup_conv_workspace_bytes(c, p, dtype),
-                         fixup_conv_workspace_bytes(c.unprepared(), p, dtype)});  // conv(): either may run
-      }
-      h /= b.stride;
-      w /= b.stride;
-    }
-    grow_conv_workspace(need);
-    checked[g] = true;
-  }
+  void ensure_workspace(const Geometry& g);
 
   // Makes each half of the conv workspace at least `need` bytes.
   void grow_conv_workspace(size_t need) {
@@ -801,187 +628,30 @@ struct EncoderGpu::Impl {
     return fuse_stem && !training && g.n <= sm_count && wgmma_block_applies(0, g.h / 4, g.w / 4);
   }
 
-  // Launches the whole forward on `stream` (also used under stream capture).
+  // Launches the whole forward on `stream` (also used under stream capture); runtime/encoder_forward.cpp.
   void launch(const Geometry& g, const kernels::StemArgs& stem_args, kernels::SqueezeExciteArgs tail,
               cudaStream_t stream, CapturedEnds* ends = nullptr) {
     launch(g, buffers(g), stem_args, tail, stream, ends);
   }
   // The same on the buffers `act` (the training step's, which also keep every block's output in act.y).
-  //
-  // Programmatic dependent launch: every kernel after the stem that follows exactly one kfuse kernel on `stream`
-  // launches early and waits on the device (the kernels keep the contract of kernels/programmatic_launch.h). Not the
-  // shortcut where it starts a side branch from an event, nor the squeeze-excite that joins it: a programmatic edge
-  // joins one kernel to the next in a stream, and an event wait has no kernel of its own. (The shortcut-excite
-  // kernel follows conv2 directly; the convolutions of its block keep the downsampling blocks' policy, unmeasured
-  // without the side branch.)
   void launch(const Geometry& g, Activations& act, const kernels::StemArgs& stem_args,
-              kernels::SqueezeExciteArgs tail, cudaStream_t stream, CapturedEnds* ends = nullptr) {
-    const bool stem_fused = stem_in_block(g, act.training);
-    if (!stem_fused) {
-      check_cuda(kernels::launch_stem(stem_args, dtype, stream), "stem kernel");
-      if (ends) ends->stem = last_captured_node(stream);
-    }
-    const bool fused_cudnn = std::any_of(act.h.begin(), act.h.end(), [](void* p) { return p != nullptr; });
-    const bool chain = use_pdl && !any_cudnn(g, act.training) && !fused_cudnn;
-    kernels::PdlScope programmatic(chain);
-    int h = g.h / 4, w = g.w / 4;
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      const auto& b = blocks[i];
-      const BlockWeights& W = bw[i];
-      const float* s = fptr(W.scalars);
-      const auto probs = problems(b, g.n, h, w);
-      // The training forward's fused block writes the backward's stash (h where kept, h2, conv2's raw output).
-      const bool wgmma = wgmma_block_applies(i, h, w) && (!act.training || act.conv2_raw);
-      if (wgmma || (!act.training && fused_block_applies(i, h, w))) {
-        kernels::FusedBlockArgs fb;
-        fb.a = act.a[i];
-        fb.identity = act.x[i];
-        fb.w1 = wptr(W.conv1);
-        fb.w2 = wptr(W.conv2);
-        fb.scalars = s;
-        fb.fc1_w = fptr(W.fc1_w);
-        fb.fc1_b = fptr(W.fc1_b);
-        fb.fc2_w = fptr(W.fc2_w);
-        fb.fc2_b = fptr(W.fc2_b);
-        fb.planes = b.planes;
-        fb.hidden = b.se_hidden;
-        fb.n = g.n, fb.h = h, fb.w = w;
-        fb.a_next = act.a[i + 1];
-        fb.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
-        if (!blocks[i + 1].has_downsample) fb.y = act.x[i + 1];
-        if (!act.y.empty() && act.y[i]) fb.y = act.y[i];
-        if (act.training) {
-          fb.h_out = i < act.h.size() ? act.h[i] : nullptr;
-          fb.h2_out = act.h2[i];
-          fb.v_out = act.o[i];
-        }
-        if (wgmma) fb.w1 = wptr(W.conv1_planes), fb.w2 = wptr(W.conv2_planes);
-        const bool with_stem = i == 0 && stem_fused;  // the graph's first kernel then: nothing to launch early after
-        if (with_stem) fb.a = nullptr, fb.stem = stem_args;
-        kernels::PdlScope fused_scope(chain && !with_stem);
-        if (wgmma)
-          check_cuda(kernels::launch_fused_block_wgmma(fb, dtype, sm_count, stream), "fused block kernel (wgmma)");
-        else
-          check_cuda(kernels::launch_fused_block(fb, dtype, stream), "fused block kernel");
-        if (with_stem && ends) ends->stem = last_captured_node(stream), ends->stem_in_block = true;
-        continue;  // stride 1: h and w stay
-      }
-      if (!act.training && down_block_applies(i, h, w)) {
-        kernels::FusedDownBlockArgs db;
-        db.a = act.a[i];
-        db.filters = wptr(W.down_stream);
-        db.scalars = s;
-        db.fc1_w = fptr(W.fc1_w);
-        db.fc1_b = fptr(W.fc1_b);
-        db.fc2_w = fptr(W.fc2_w);
-        db.fc2_b = fptr(W.fc2_b);
-        db.in_planes = b.in_planes, db.planes = b.planes, db.hidden = b.se_hidden;
-        db.n = g.n, db.h = h, db.w = w;
-        db.a_next = act.a[i + 1];
-        db.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
-        if (!blocks[i + 1].has_downsample) db.y = act.x[i + 1];
-        db.h2 = act.h2[i];
-        db.partials = i < act.partials.size() ? act.partials[i] : nullptr;
-        db.sync = i < act.sync.size() ? act.sync[i] : nullptr;
-        // Programmatic launch after block 1's kernel (its filter stream loading while that one finishes) measured
-        // slower: 94.8 against 82.4 us back to back (H100, not understood). Only inside a programmatic chain.
-        kernels::PdlScope down_scope(chain);
-        check_cuda(kernels::launch_fused_down_block_wgmma(db, dtype, stream), "fused downsampling block kernel");
-        h /= b.stride;
-        w /= b.stride;
-        continue;
-      }
-      // The shortcut inside the squeeze-excite's kernel (after conv2), or as a convolution on a side branch.
-      const bool tail_fused = !act.training && tail_block_applies(i, h, w);
-      const bool side_branch = b.has_downsample && !tail_fused;
-      if (side_branch) {  // fork: the shortcut needs only a[i], like conv1
-        kernels::PdlScope off(false);
-        ensure_side_stream();
-        check_cuda(cudaEventRecord(fork_events[i], stream), "cudaEventRecord");
-        check_cuda(cudaStreamWaitEvent(side, fork_events[i], 0), "cudaStreamWaitEvent");
-        conv(probs[2], act.a[i], W.shortcut, act.idt[i], kernels::FixupEpilogue{}, side, /*side_branch=*/true,
-             act.training);
-        check_cuda(cudaEventRecord(join_events[i], side), "cudaEventRecord");
-      }
-      kernels::FixupEpilogue e1{nullptr, s + kB1b, s + kB2a, true};  // h + b2a = relu(acc + b1b) + b2a
-      if (i < act.h.size() && act.h[i]) {
-        check_cuda(kernels::cudnn_fused_conv_relu(probs[0], dtype, act.a[i], wptr(W.conv1), s + kB1b, s + kB2a,
-                                                  act.h[i], act.h2[i], stream),
-                   "conv1 with its FixUp epilogue (cuDNN graph, " + conv_shape_key(probs[0]) + ")");
-      } else {
-        kernels::PdlScope conv1_scope(chain && (pdl_policy < 3 || !b.has_downsample));
-        conv(probs[0], act.a[i], W.conv1, act.h2[i], e1, stream, false, act.training);
-      }
-      // o = acc * scale + b2b, or raw: applied by the squeeze-excite as it reads o. Raw also where a library runs
-      // conv2 (cuDNN, cuBLAS), whose FixUp epilogue would be a pass of its own over o.
-      const bool raw2 = act.conv2_raw || choose(probs[1], false).is_library();
-      kernels::FixupEpilogue e2{s + kScale, s + kB2b, nullptr, false};
-      if (raw2) e2 = kernels::FixupEpilogue{};
-      // The last block's conv2 with the squeeze projection's rows (fc1's pre-activations after each image's o).
-      const PreparedFilter* proj = act.training || tail_fused ? nullptr : squeeze_projection_for(i, probs[1]);
-      if (proj) {
-        void* ws = conv_workspace;  // the main stream's half
-        check_cuda(kernels::dense_conv_fprop_unrolled(probs[1], dtype, act.h2[i], proj->data, act.o[i], ws,
-                                                      conv_workspace_bytes, stream, proj->extra_rows),
-                   "conv2 with the squeeze projection (dense GEMM, " + conv_shape_key(probs[1]) + ")");
-      } else {
-        kernels::PdlScope conv2_scope(chain && (pdl_policy < 2 || !b.has_downsample));
-        conv(probs[1], act.h2[i], W.conv2, act.o[i], e2, stream, false, act.training);
-      }
-      if (side_branch)  // join before the squeeze-excite, which reads the shortcut's output
-        check_cuda(cudaStreamWaitEvent(stream, join_events[i], 0), "cudaStreamWaitEvent");
+              kernels::SqueezeExciteArgs tail, cudaStream_t stream, CapturedEnds* ends = nullptr);
 
-      kernels::SqueezeExciteArgs se = tail;  // out_nchw / out_f32 are the tail's; cleared below for inner blocks
-      se.o = act.o[i];
-      se.o_scale = raw2 ? s + kScale : nullptr;
-      se.o_shift = raw2 ? s + kB2b : nullptr;
-      se.identity = b.has_downsample ? act.idt[i] : act.x[i];
-      se.n = g.n;
-      se.hw = (h / b.stride) * (w / b.stride);
-      se.p = b.planes;
-      se.hidden = b.se_hidden;
-      se.w1 = fptr(W.fc1_w);
-      se.b1 = fptr(W.fc1_b);
-      se.w2 = fptr(W.fc2_w);
-      se.b2 = fptr(W.fc2_b);
-      se.w1_t = se_weights_t && !act.training ? wptr(W.fc_t) : nullptr;  // the training step's gates stay fp32's
-      se.w2_t = se_weights_t && !act.training ? wptr(W.fc_t + fc2_t_offset(b)) : nullptr;
-      if (proj) {
-        se.o_stride = int64_t(se.hw) * se.p + proj->extra_rows;
-        se.pre_hidden = static_cast<const uint8_t*>(act.o[i]) + size_t(se.hw) * se.p * 2;
-        se.w1_rowsum = reinterpret_cast<const float*>(static_cast<const uint8_t*>(proj->data) + proj->rowsum_at);
-      }
-      se.y = nullptr;
-      se.a_next = nullptr;
-      se.next_b1a = nullptr;
-      if (i + 1 < blocks.size()) {
-        se.out_nchw = nullptr;
-        se.a_next = act.a[i + 1];
-        se.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
-        if (!blocks[i + 1].has_downsample) se.y = act.x[i + 1];
-      }
-      if (!act.y.empty() && act.y[i]) se.y = act.y[i];
-      if (tail_fused) {
-        kernels::ShortcutExciteArgs sa;
-        sa.se = se;
-        sa.se.identity = nullptr;
-        sa.a = act.a[i];
-        sa.shortcut = wptr(W.shortcut_kc);
-        sa.in_planes = b.in_planes, sa.h = h, sa.w = w;
-        kernels::PdlScope join(chain);  // conv2 just before it in the stream: no event between them
-        check_cuda(kernels::launch_shortcut_excite_cluster(sa, dtype, stream),
-                   "shortcut-excite cluster kernel (block " + std::to_string(i + 1) + ")");
-        if (ends) ends->tail_fused = true;
-      } else {
-        kernels::PdlScope join(chain && !b.has_downsample);
-        check_cuda(kernels::launch_squeeze_excite(se, dtype, stream), "squeeze-excite kernel");
-        if (ends) ends->tail_fused = false;
-      }
-      h /= b.stride;
-      w /= b.stride;
-    }
-    if (ends) ends->tail = last_captured_node(stream);
-  }
+  // One block of launch(), on input maps of h x w: where block i runs as one fused kernel (a stride-1 block, with
+  // the stem where stem_args is given; a downsampling block), launches it and returns true.
+  bool launch_fused_block(const Geometry& g, Activations& act, size_t i, int h, int w,
+                          const kernels::StemArgs* stem_args, bool chain, cudaStream_t stream, CapturedEnds* ends);
+  bool launch_fused_down_block(const Geometry& g, Activations& act, size_t i, int h, int w, bool chain,
+                               cudaStream_t stream);
+  // Otherwise: conv1 (the shortcut beside it on the side branch), conv2, then the squeeze-excite and join.
+  void launch_block_kernels(const Geometry& g, Activations& act, size_t i, int h, int w,
+                            const kernels::SqueezeExciteArgs& tail, bool chain, cudaStream_t stream,
+                            CapturedEnds* ends);
+  // The squeeze-excite's arguments for block i (raw2: conv2 wrote its raw output; proj: the squeeze projection's
+  // filter, where conv2 computed fc1's pre-activations).
+  kernels::SqueezeExciteArgs squeeze_excite_args(const Geometry& g, const Activations& act, size_t i, int h, int w,
+                                                 const kernels::SqueezeExciteArgs& tail, bool raw2,
+                                                 const PreparedFilter* proj) const;
 };
 
 }  // namespace kfuse

@@ -33,6 +33,7 @@
 #include "kfuse/encoder_gpu.h"
 #include "runtime/backward_conv_selection.h"
 #include "runtime/encoder_gpu_impl.h"
+#include "runtime/encoder_training_state.h"
 
 namespace kfuse {
 
@@ -41,74 +42,10 @@ using kernels::PackJob;
 using kernels::PackKind;
 using kernels::ParamDType;
 
-// The buffers of one training geometry: the forward's stash and the backward's gradients.
-struct TrainBuffers {
-  void* base = nullptr;
-  Activations act;                               // forward: x0, a, h2, o (raw: conv2_raw), y (stash), idt (scratch)
-  std::vector<void*> d_o, dh2, dcat, dz, dx;     // per block; dz only for identity blocks (else inside dcat)
-  std::vector<float*> g1, g2;                    // KRSC weight-gradient sums (fp32, or T): conv1 [+ shortcut], conv2
-  // Blocks whose forward runs conv1 as a cuDNN graph (act.h non-null): where fused_dgrad, conv2's data gradient and
-  // the ReLU-mask backward are one cuDNN graph too, whose per-channel sums (2 x P floats) land in sums.
-  std::vector<char> fused_dgrad;
-  std::vector<float*> sums;
-  // A device 0.0f: the ReLU-mask kernel's threshold where it reads h instead of h2 (set when the buffers are made,
-  // so that no backward allocates or writes outside its stream).
-  float* zero = nullptr;
-  uint64_t stash = 0;                            // id of the forward whose values the buffers hold (0: none)
-  DType y_dtype = DType::F32;
-};
-
-struct TrainingState {
-  std::map<Geometry, TrainBuffers> buffers;
-  uint64_t next_stash = 1;
-  // Parameter order and flat-gradient offsets (parameter_specs order).
-  std::unordered_map<std::string, size_t> index;
-  std::vector<int64_t> grad_offset;
-  std::vector<int64_t> param_numel;
-  // Device job table of the gradients' layouts, re-uploaded only when its contents change.
-  std::vector<GradJob> grad_jobs;
-  GradJob* d_grad_jobs = nullptr;
-  size_t grad_job_capacity = 0;
-  // One scratch area for the backward's workspaces, in two equal halves: the main stream's launches use the first,
-  // the weight-gradient branch's the second (the launches of one stream run one after another); then one area per
-  // block for its squeeze-excite backward, whose two phases run on the two branches.
-  void* scratch = nullptr;
-  size_t scratch_bytes = 0;  // per half
-  size_t se_scratch_bytes = 0;  // after the halves: one area per block for the squeeze-excite backward
-  // The weight gradients run on a side branch (Impl::side): fork after the kernel that produces their dL/dout, one
-  // join at the end of the step (events, which stream capture turns into parallel graph branches).
-  // options.wgrad_branch false keeps everything on the main stream (the branch took a batch-2048 step from 3.008 to
-  // 2.765 ms on H100).
-  bool wgrad_branch = true;
-  std::vector<cudaEvent_t> wgrad_fork;
-  cudaEvent_t wgrad_join = nullptr;
-  bool weights_from_device = false;
-  // cuDNN graphs for conv1 + its FixUp epilogue and conv2's data gradient + the ReLU mask (kernels/conv/cudnn_fused.h):
-  // options.cudnn_fused 1 (default) where the tuner runs conv1 in cuDNN anyway (it would pay a separate epilogue
-  // pass), 2 in every block that cuDNN supports (for tests), 0 never (the graphs save ~85 us per batch-2048 step on
-  // H100).
-  enum class CudnnFused { kOff, kWhereCudnn, kAll } cudnn_fused = CudnnFused::kWhereCudnn;
-  // Backward convolution choices per shape (conv_shape_key of the forward problem): the tuner's, else the heuristic.
-  std::map<std::string, WgradChoice> wgrad_choice;
-  std::map<std::string, DgradChoice> dgrad_choice;
-  std::set<Geometry> backward_tuned;
-  std::unique_ptr<BackwardConvTuningScratch> tuning_scratch;
-
-  ~TrainingState() {
-    for (auto& [g, b] : buffers) cudaFree(b.base);
-    cudaFree(d_grad_jobs);
-    cudaFree(scratch);
-    for (cudaEvent_t e : wgrad_fork) cudaEventDestroy(e);
-    if (wgrad_join) cudaEventDestroy(wgrad_join);
-  }
-};
-
 void destroy_training_state(TrainingState* t) { delete t; }
 
 namespace gpu_detail {
 namespace {
-
-size_t align256(size_t b) { return (b + 255) / 256 * 256; }
 
 ParamDType param_dtype(DType d) {
   switch (d) {
@@ -123,7 +60,7 @@ size_t param_dtype_bytes(ParamDType d) { return d == ParamDType::kF32 ? 4 : 2; }
 }  // namespace
 }  // namespace gpu_detail
 
-namespace {
+namespace train_detail {
 
 using namespace gpu_detail;
 
@@ -164,10 +101,6 @@ size_t param_index(const TrainingState& t, const std::string& name) {
   return it->second;
 }
 
-// The first element of a training graph's key: which launch sequence it is.
-enum : int64_t { kForwardTrainGraph = 0, kBackwardGraph = 1 };
-
-// Two halves of `bytes` each (TrainingState::scratch), then `se_bytes` for the squeeze-excite backward's areas.
 void ensure_scratch(TrainingState& t, size_t bytes, size_t se_bytes) {
   bytes = align256(bytes);
   if (bytes <= t.scratch_bytes && se_bytes <= t.se_scratch_bytes) return;
@@ -190,13 +123,6 @@ void ensure_wgrad_events(TrainingState& t, size_t blocks) {
   if (!t.wgrad_join) check_cuda(cudaEventCreateWithFlags(&t.wgrad_join, cudaEventDisableTiming), "cudaEventCreate");
 }
 
-// Problems of block b whose input is n x h x w (forward conventions of conv_backward.h).
-struct BlockProblems {
-  Conv2dProblem conv1;      // a -> h2 (k = P)
-  Conv2dProblem conv1_cat;  // a -> [conv1 | shortcut] (k = 2P for downsampling blocks, else = conv1)
-  Conv2dProblem conv2;      // h2 -> o
-  Conv2dProblem conv1_dgrad_fwd;  // identity blocks: dcat (P) -> da (Cin) as a forward conv with flipped filters
-};
 BlockProblems block_problems(const EncoderConfig::Block& b, int n, int h, int w) {
   BlockProblems bp;
   bp.conv1 = Conv2dProblem{n, h, w, b.in_planes, b.planes, 3, 3, 1, 1, b.stride, b.stride};
@@ -218,7 +144,6 @@ std::vector<BlockProblems> geometry_problems(const EncoderGpu::Impl& m, const Ge
   return probs;
 }
 
-// The backward convolutions' kernels: the tuner's choice for the shape, else the heuristic.
 WgradChoice wgrad_for(const EncoderGpu::Impl& m, const TrainingState& t, const Conv2dProblem& p) {
   const auto it = t.wgrad_choice.find(conv_shape_key(p));
   return it != t.wgrad_choice.end() ? it->second : wgrad_heuristic(p, m.dtype, m.sm_count);
@@ -228,6 +153,13 @@ DgradChoice dgrad_for(const EncoderGpu::Impl& m, const TrainingState& t, const C
   return it != t.dgrad_choice.end() ? it->second
                                     : dgrad_heuristic(p, m.dtype, m.choose(flipped_forward_problem(p), false));
 }
+
+}  // namespace train_detail
+
+namespace {
+
+using namespace gpu_detail;
+using namespace train_detail;
 
 // Tunes geometry g's backward convolutions (per block the weight gradients of conv2 and conv1 [+ shortcut] and the
 // data gradients of both), appending one report row per op.
@@ -373,6 +305,8 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
 
 
 }  // namespace
+
+using namespace train_detail;
 
 void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DType dtype, cudaStream_t stream) {
   Impl& m = *impl_;
@@ -539,301 +473,6 @@ bool EncoderGpu::stash_valid(uint64_t stash) const {
   for (const auto& [g, tb] : m.training->buffers)
     if (tb.stash == stash) return true;
   return false;
-}
-
-void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy, float* grads,
-                          const DeviceTensorView* dx, cudaStream_t stream) {
-  Impl& m = *impl_;
-  TrainingState& t = training(m);
-  KFUSE_CHECK(grads != nullptr, InvalidArgument, "backward: null gradient buffer");
-  TrainBuffers* found = nullptr;
-  Geometry g{};
-  for (auto& [geo, tb] : t.buffers)
-    if (tb.stash == stash && stash != 0) found = &tb, g = geo;
-  KFUSE_CHECK(found != nullptr, InvalidArgument,
-              "backward: the forward's saved state is gone (another forward_train of the same input geometry "
-              "replaced it); run forward_train again");
-  TrainBuffers& tb = *found;
-  KFUSE_CHECK(x.shape.size() == 4 && x.shape[0] == g.n && x.shape[2] == g.h && x.shape[3] == g.w, InvalidArgument,
-              "backward: input of shape ", shape_str(x.shape), " is not the forward's");
-  KFUSE_CHECK(x.strides.size() == 4 && x.data, InvalidArgument, "backward: bad input view");
-  const Shape out_shape = m.config.output_shape(x.shape);
-  KFUSE_CHECK(dy.shape == out_shape, InvalidArgument, "backward: output gradient has shape ", shape_str(dy.shape),
-              ", expected ", shape_str(out_shape));
-  const Shape packed{out_shape[1] * out_shape[2] * out_shape[3], out_shape[2] * out_shape[3], out_shape[3], 1};
-  KFUSE_CHECK(dy.strides == packed && dy.data, InvalidArgument, "backward: output gradient must be contiguous NCHW");
-  KFUSE_CHECK(dy.dtype == tb.y_dtype, InvalidArgument, "backward: output gradient is ", dtype_name(dy.dtype),
-              " but the forward's output was ", dtype_name(tb.y_dtype));
-  KFUSE_CHECK(dy.device == m.device && x.device == m.device, InvalidArgument,
-              "backward: tensors must be on cuda:", m.device);
-  if (dx) {
-    KFUSE_CHECK(dx->shape == x.shape, InvalidArgument, "backward: input gradient has shape ", shape_str(dx->shape),
-                ", expected ", shape_str(x.shape));
-    const Shape xp{x.shape[1] * x.shape[2] * x.shape[3], x.shape[2] * x.shape[3], x.shape[3], 1};
-    KFUSE_CHECK(dx->strides == xp && dx->data && dx->device == m.device, InvalidArgument,
-                "backward: input gradient must be a contiguous NCHW tensor on cuda:", m.device);
-    KFUSE_CHECK(dx->dtype == DType::F32 || dx->dtype == DType::F16 || dx->dtype == DType::BF16, InvalidArgument,
-                "backward: input gradient dtype ", dtype_name(dx->dtype), " is not F32, F16 or BF16");
-  }
-  Impl::Device scope(m.device);
-  const size_t nb = m.blocks.size();
-  auto grad = [&](const std::string& name) { return grads + t.grad_offset[param_index(t, name)]; };
-
-  // Geometry per block and the backward convolutions' kernels; every workspace comes from one scratch area (the
-  // launches on one stream use it one at a time).
-  const std::vector<BlockProblems> probs = geometry_problems(m, g);
-  struct BlockConvs {
-    WgradChoice wgrad2, wgrad1;  // conv2; conv1 [+ shortcut]
-    DgradChoice dgrad2, dgrad1;
-  };
-  std::vector<BlockConvs> convs(nb);
-  for (size_t i = 0; i < nb; ++i) {
-    const BlockProblems& bp = probs[i];
-    BlockConvs& c = convs[i];
-    c.wgrad2 = wgrad_for(m, t, bp.conv2);
-    c.wgrad1 = wgrad_for(m, t, bp.conv1_cat);
-    c.dgrad2 = dgrad_for(m, t, bp.conv2);
-    c.dgrad1 = dgrad_for(m, t, bp.conv1_cat);
-    KFUSE_CHECK(wgrad_can_implement(c.wgrad2, bp.conv2, m.dtype) &&
-                    wgrad_can_implement(c.wgrad1, bp.conv1_cat, m.dtype),
-                InvalidArgument, "kfuse: the weight-gradient kernels cannot run block '", m.blocks[i].prefix,
-                "' at this size");
-    KFUSE_CHECK(dgrad_can_implement(c.dgrad2, bp.conv2, m.dtype) &&
-                    dgrad_can_implement(c.dgrad1, bp.conv1_cat, m.dtype),
-                InvalidArgument, "kfuse: the data-gradient kernels cannot run block '", m.blocks[i].prefix,
-                "' at this size");
-  }
-
-  // --- launch arguments, sized first so that one scratch allocation serves them all ---------------------------
-  const uint8_t* W8 = static_cast<const uint8_t*>(m.weights);
-  auto wp = [&](size_t off) { return static_cast<const void*>(W8 + off); };
-  auto fp = [&](size_t off) { return reinterpret_cast<const float*>(W8 + off); };
-  auto wflip = [&](size_t off) { return off == kNone ? nullptr : wp(off); };  // flipped filters: stride 1 only
-  std::vector<kernels::SeBackwardArgs> se(nb);
-  std::vector<kernels::ReluMaskBackwardArgs> mask(nb);
-  size_t scratch = 0;
-  std::vector<size_t> se_ws_offset(nb);
-  size_t se_ws_total = 0;
-  {
-    int h = g.h / 4, w = g.w / 4;
-    for (size_t i = 0; i < nb; ++i) {
-      const auto& b = m.blocks[i];
-      const BlockWeights& W = m.bw[i];
-      const int ho = h / b.stride, wo = w / b.stride;
-      kernels::SeBackwardArgs& s = se[i];
-      const bool last = i + 1 == nb;
-      s.y = tb.act.y[i];
-      if (!s.y) {  // the mask from the next block's a = y + b1a (Activations::y)
-        s.y = tb.act.a[i + 1];
-        s.y_offset = fp(m.bw[i + 1].scalars) + kB1a;
-      }
-      s.dy = last ? dy.data : tb.dx[i + 1];
-      s.dy_nchw = last;
-      s.dy_f32 = last && dy.dtype == DType::F32;
-      s.o = tb.act.o[i];  // conv2's raw output: the kernel applies x scale + b2b (Activations::conv2_raw)
-      s.o_scale = fp(W.scalars) + kScale;
-      s.o_shift = fp(W.scalars) + kB2b;
-      s.n = g.n, s.hw = ho * wo, s.p = b.planes, s.hidden = b.se_hidden;
-      s.w1 = fp(W.fc1_w), s.b1 = fp(W.fc1_b), s.w2 = fp(W.fc2_w), s.b2 = fp(W.fc2_b);
-      s.d_o = tb.d_o[i];
-      s.dz = b.has_downsample ? static_cast<uint8_t*>(tb.dcat[i]) + 2 * b.planes : tb.dz[i];
-      s.dz_pitch = b.has_downsample ? 2 * b.planes : b.planes;
-      s.dw1 = grad(b.prefix + "se.excite.0.weight");
-      s.db1 = grad(b.prefix + "se.excite.0.bias");
-      s.dw2 = grad(b.prefix + "se.excite.2.weight");
-      s.db2 = grad(b.prefix + "se.excite.2.bias");
-      s.sum_d_o = grad(b.prefix + "fixup_bias2b");
-      // dy of this block is dx of the next; when the next block has a shortcut conv, that is all of d(its a).
-      s.sum_dy = !last && m.blocks[i + 1].has_downsample ? grad(m.blocks[i + 1].prefix + "fixup_bias1a") : nullptr;
-      se_ws_offset[i] = se_ws_total;  // its own area: its parameter phase may still run when the next block's starts
-      se_ws_total += align256(kernels::se_backward_workspace_bytes(s));
-
-      kernels::ReluMaskBackwardArgs& r = mask[i];
-      r.dh = tb.dh2[i];
-      r.h2 = tb.act.h2[i];
-      r.b2a = fp(W.scalars) + kB2a;
-      if (tb.act.h[i]) {  // the cuDNN graph's forward: the mask is h > 0 (TrainBuffers::fused_dgrad)
-        r.h2 = tb.act.h[i];
-        r.b2a = tb.zero;
-      }
-      r.scale = fp(W.scalars) + kScale;  // the data gradient below leaves conv2's scale out
-      r.pixels = int64_t(g.n) * ho * wo;
-      r.c = b.planes;
-      r.d_pre = tb.dcat[i];
-      r.d_pre_pitch = b.has_downsample ? 2 * b.planes : b.planes;
-      r.sum_dh = grad(b.prefix + "fixup_bias2a");
-      r.sum_d_pre = grad(b.prefix + "fixup_bias1b");
-      scratch = std::max(scratch, kernels::relu_mask_backward_workspace_bytes(r));
-
-      const BlockProblems& bp = probs[i];
-      const BlockConvs& c = convs[i];
-      scratch = std::max({scratch, wgrad_workspace_bytes(c.wgrad2, bp.conv2, m.dtype),
-                          wgrad_workspace_bytes(c.wgrad1, bp.conv1_cat, m.dtype),
-                          dgrad_workspace_bytes(c.dgrad2, bp.conv2, m.dtype),
-                          dgrad_workspace_bytes(c.dgrad1, bp.conv1_cat, m.dtype)});
-      if (!b.has_downsample && i > 0)
-        scratch = std::max(scratch, kernels::add_and_sum_workspace_bytes(int64_t(g.n) * h * w * b.in_planes));
-      h = ho;
-      w = wo;
-    }
-  }
-  kernels::StemBackwardArgs sb;
-  {
-    const kernels::StemArgs fwd = m.stem_args(x, tb.act);
-    sb.x = fwd.x, sb.x_dtype = fwd.x_dtype;
-    sb.stride_n = fwd.stride_n, sb.stride_c = fwd.stride_c, sb.stride_h = fwd.stride_h, sb.stride_w = fwd.stride_w;
-    sb.n = fwd.n, sb.c = fwd.c, sb.h = fwd.h, sb.w = fwd.w;
-    sb.in_scale = fwd.in_scale, sb.in_shift = fwd.in_shift;
-    sb.weight = fwd.weight, sb.kpad = fwd.kpad, sb.p0 = fwd.p0;
-    sb.x0 = tb.act.x0;
-    sb.da = tb.dx[0];
-    sb.dz = m.blocks[0].has_downsample ? nullptr : tb.dz[0];
-    sb.dw = grad("stem.1.weight");
-    sb.sum_da = grad(m.blocks[0].prefix + "fixup_bias1a");
-    if (dx) {
-      sb.dinput = dx->data;
-      sb.dinput_dtype = Impl::input_dtype(dx->dtype);
-    }
-    scratch = std::max(scratch, kernels::stem_backward_workspace_bytes(sb));
-  }
-  // Gradient finalize jobs (their destinations move with `grads`: rebuilt per call, uploaded when changed).
-  // A block's jobs are contiguous, from job_first[i] to job_first[i + 1]: each block's are finalized as soon as its
-  // weight gradients are done, on their branch.
-  std::vector<GradJob> jobs;
-  std::vector<int> job_first;
-  for (size_t i = 0; i < nb; ++i) {
-    const auto& b = m.blocks[i];
-    const BlockWeights& W = m.bw[i];
-    job_first.push_back(int(jobs.size()));
-    GradJob j1;
-    j1.g = tb.g1[i], j1.g_is_t = convs[i].wgrad1.writes_t(), j1.dst = grad(b.prefix + "conv1.weight"), j1.kind = 0;
-    j1.k = b.planes, j1.c = b.in_planes, j1.r = 3, j1.s = 3;
-    jobs.push_back(j1);
-    if (b.has_downsample) {
-      GradJob jd;
-      jd.g = static_cast<const uint8_t*>(j1.g) + size_t(b.planes) * 9 * b.in_planes * (j1.g_is_t ? 2 : 4);
-      jd.g_is_t = j1.g_is_t;
-      jd.dst = grad(b.prefix + b.downsample_weight());
-      jd.kind = 1, jd.k = b.planes, jd.c = b.in_planes, jd.r = 3, jd.s = 3;
-      jobs.push_back(jd);
-    }
-    GradJob j2;
-    j2.g = tb.g2[i], j2.g_is_t = convs[i].wgrad2.writes_t(), j2.dst = grad(b.prefix + "conv2.weight"), j2.kind = 0;
-    j2.alpha = fp(W.scalars) + kScale;
-    j2.dot_w = wp(W.conv2);
-    j2.dst_dot = grad(b.prefix + "fixup_scale");
-    j2.k = b.planes, j2.c = b.planes, j2.r = 3, j2.s = 3;
-    jobs.push_back(j2);
-  }
-  job_first.push_back(int(jobs.size()));
-  scratch = std::max(scratch, kernels::grad_finalize_workspace_bytes(int(jobs.size())));
-  const void* const scratch_before = t.scratch;
-  const GradJob* const jobs_before = t.d_grad_jobs;
-  ensure_scratch(t, std::max<size_t>(scratch, 256), se_ws_total);
-
-  if (jobs.size() > t.grad_job_capacity) {
-    cudaFree(t.d_grad_jobs);
-    t.d_grad_jobs = nullptr;
-    check_cuda(cudaMalloc(&t.d_grad_jobs, jobs.size() * sizeof(GradJob)), "cudaMalloc (gradient jobs)");
-    t.grad_job_capacity = jobs.size();
-    t.grad_jobs.clear();
-  }
-  if (jobs.size() != t.grad_jobs.size() ||
-      std::memcmp(jobs.data(), t.grad_jobs.data(), jobs.size() * sizeof(GradJob)) != 0) {
-    // Ordered on the stream; the source is copied out before cudaMemcpyAsync returns (pageable memory).
-    check_cuda(cudaMemcpyAsync(t.d_grad_jobs, jobs.data(), jobs.size() * sizeof(GradJob), cudaMemcpyHostToDevice,
-                               stream),
-               "cudaMemcpyAsync (gradient jobs)");
-    t.grad_jobs = jobs;
-  }
-
-  if (t.scratch != scratch_before || t.d_grad_jobs != jobs_before) m.train_graphs.clear();  // addresses baked in
-
-  // --- the backward, from the last block (replayed as a graph per geometry and caller's pointers) -------------
-  LaunchGraphCache::Key key{kBackwardGraph,
-                            g.n,
-                            g.h,
-                            g.w,
-                            int64_t(x.dtype),
-                            reinterpret_cast<int64_t>(x.data),
-                            reinterpret_cast<int64_t>(dy.data),
-                            int64_t(dy.dtype),
-                            reinterpret_cast<int64_t>(grads),
-                            dx ? reinterpret_cast<int64_t>(dx->data) : 0,
-                            dx ? int64_t(dx->dtype) : -1};
-  key.insert(key.end(), x.strides.begin(), x.strides.end());
-  m.ensure_side_stream();
-  ensure_wgrad_events(t, nb);
-  // The launches go to the lambda's stream: the caller's, or the capture stream when the graph is recorded.
-  m.train_graphs.run(key, stream, [&](cudaStream_t stream) {
-    void* ws = t.scratch;
-    void* ws_side = static_cast<uint8_t*>(t.scratch) + t.scratch_bytes;
-    const size_t wsb = t.scratch_bytes;
-    cudaStream_t wstream = t.wgrad_branch ? m.side : stream;
-    void* const wws = t.wgrad_branch ? ws_side : ws;
-    // The weight gradients run on the side branch: nothing on the main path waits for them, so they fill the SMs
-    // that the memory-bound kernels (squeeze-excite, ReLU mask, stem backward) and the tails of the data gradients
-    // leave idle. The side branch's launches run in order, one at a time, on its half of the scratch.
-    auto fork_wgrad = [&](size_t event) {
-      if (!t.wgrad_branch) return;
-      check_cuda(cudaEventRecord(t.wgrad_fork[event], stream), "cudaEventRecord");
-      check_cuda(cudaStreamWaitEvent(m.side, t.wgrad_fork[event], 0), "cudaStreamWaitEvent");
-    };
-    for (size_t ii = nb; ii-- > 0;) {
-      const auto& b = m.blocks[ii];
-      const BlockWeights& W = m.bw[ii];
-      const BlockProblems& bp = probs[ii];
-      const std::string where = " (block '" + b.prefix + "')";
-      const BlockConvs& c = convs[ii];
-      void* const se_ws = static_cast<uint8_t*>(t.scratch) + 2 * t.scratch_bytes + se_ws_offset[ii];
-      check_cuda(kernels::launch_se_backward_data(se[ii], m.dtype, se_ws, stream), "squeeze-excite backward" + where);
-      fork_wgrad(2 * ii);
-      // The squeeze-excite's parameter gradients and scalar sums: nothing else reads them either.
-      check_cuda(kernels::launch_se_backward_params(se[ii], m.dtype, se_ws, wstream),
-                 "squeeze-excite parameter gradients" + where);
-      check_cuda(run_wgrad(c.wgrad2, bp.conv2, m.dtype, tb.d_o[ii], tb.act.h2[ii], tb.g2[ii], wws, wsb, wstream),
-                 "conv2 weight gradient (" + c.wgrad2.name() + ")" + where);
-      if (tb.fused_dgrad[ii]) {
-        // d_pre = h > 0 ? scale * conv2^T(d_o) : 0, into [d_pre | dz], and the per-channel sums: one cuDNN graph.
-        check_cuda(kernels::cudnn_fused_dgrad_mask(bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2),
-                                                   fp(W.scalars) + kScale, tb.act.h[ii], tb.dcat[ii],
-                                                   mask[ii].d_pre_pitch, tb.sums[ii], stream),
-                   "conv2 data gradient with the ReLU mask (cuDNN graph)" + where);
-        fork_wgrad(2 * ii + 1);
-        check_cuda(kernels::launch_sum_pair_finalize(tb.sums[ii], b.planes, mask[ii].sum_dh, mask[ii].sum_d_pre,
-                                                     wstream),
-                   "FixUp bias gradients" + where);
-      } else {
-        // dh2 / scale = conv2^T(d_o); the ReLU-mask backward applies the scale.
-        check_cuda(run_dgrad(c.dgrad2, bp.conv2, m.dtype, tb.d_o[ii], wp(W.conv2), wflip(W.conv2_flip),
-                             tb.dh2[ii], ws, wsb, stream),
-                   "conv2 data gradient (" + c.dgrad2.name() + ")" + where);
-        check_cuda(kernels::launch_relu_mask_backward(mask[ii], m.dtype, ws, stream), "ReLU mask backward" + where);
-        fork_wgrad(2 * ii + 1);
-      }
-      check_cuda(run_wgrad(c.wgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], tb.act.a[ii], tb.g1[ii], wws, wsb,
-                           wstream),
-                 "conv1 weight gradient (" + c.wgrad1.name() + ")" + where);
-      check_cuda(kernels::launch_grad_finalize(t.d_grad_jobs + job_first[ii], job_first[ii + 1] - job_first[ii],
-                                               m.dtype, wws, wstream),
-                 "gradient finalize" + where);
-      // d a = [conv1 | shortcut]^T([d_pre1 | dz]): one data gradient over the concatenated filters.
-      check_cuda(run_dgrad(c.dgrad1, bp.conv1_cat, m.dtype, tb.dcat[ii], wp(W.conv1), wflip(W.conv1_flip),
-                           tb.dx[ii], ws, wsb, stream),
-                 "conv1 data gradient (" + c.dgrad1.name() + ")" + where);
-      if (!b.has_downsample && ii > 0) {  // dx = d a + dz; d b1a = sum of d a (block 1: the stem's)
-        check_cuda(kernels::launch_add_and_sum(tb.dx[ii], tb.dz[ii], tb.dx[ii],
-                                               int64_t(bp.conv1.n) * bp.conv1.h * bp.conv1.w * b.in_planes,
-                                               grad(b.prefix + "fixup_bias1a"), m.dtype, ws, stream),
-                   "identity gradient" + where);
-      }
-    }
-    check_cuda(kernels::launch_stem_backward(sb, m.dtype, ws, stream), "stem backward");
-    if (t.wgrad_branch) {  // join: the step ends when every weight gradient is final
-      check_cuda(cudaEventRecord(t.wgrad_join, m.side), "cudaEventRecord");
-      check_cuda(cudaStreamWaitEvent(stream, t.wgrad_join, 0), "cudaStreamWaitEvent");
-    }
-  }, m.use_graphs);
 }
 
 }  // namespace kfuse
