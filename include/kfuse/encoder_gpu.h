@@ -117,10 +117,6 @@ class EncoderGpu {
   // blocks 2 and 3 of the default network at 64 x 64), as options.fused_down says (0: none;
   // 2: block 2's shape only).
   int down_block_count(int h, int w) const;
-  // How many downsampling blocks of the inference forward on h x w inputs run their shortcut (pool + 1x1), squeeze-
-  // excite and join as one Hopper cluster kernel after conv1 and conv2 (kernels::launch_shortcut_excite_cluster:
-  // 256 -> 512 channels at 4 x 4 input maps, i.e. block 4 of the default network at 64 x 64), where options.fused_tail is on.
-  int tail_block_count(int h, int w) const;
   // How many blocks of the inference forward on n x C x h x w inputs have conv2's GEMM compute their squeeze-excite's
   // fc1 pre-activations (kernels::launch_squeeze_projection: the last block, when its conv2 runs as the dense GEMM
   // from a prepared filter, n at most the SM count), as decided at that geometry's first forward; 0 before it or

@@ -14,7 +14,6 @@ struct EncoderOptions {
   bool fused_stem = true;     // the stem inside block 1's kernel where that kernel computes it
   bool wgmma_blocks = true;   // block 1's kernel on Hopper's warpgroup MMAs (sm_90)
   int fused_down = 1;         // downsampling blocks as one kernel: 0 never; 1 blocks 2 and 3; 2 block 2 only
-  bool fused_tail = false;    // the last block's shortcut inside the squeeze-excite (cluster kernel)
   bool se_weights_t = true;   // the inference squeeze-excite reads its fc weights in the network's dtype
   bool se_projection = true;  // the last block's fc1 pre-activations as extra rows of its conv2 GEMM
   bool wgrad_branch = true;   // training: the weight gradients on a side branch of the backward's graph

@@ -51,9 +51,8 @@ std::vector<std::pair<const char*, int EncoderOptions::*>> int_options() {
 }
 std::vector<std::pair<const char*, bool EncoderOptions::*>> bool_options() {
   return {{"fused_blocks", &EncoderOptions::fused_blocks},   {"fused_stem", &EncoderOptions::fused_stem},
-          {"wgmma_blocks", &EncoderOptions::wgmma_blocks},   {"fused_tail", &EncoderOptions::fused_tail},
-          {"se_weights_t", &EncoderOptions::se_weights_t},   {"se_projection", &EncoderOptions::se_projection},
-          {"wgrad_branch", &EncoderOptions::wgrad_branch}};
+          {"wgmma_blocks", &EncoderOptions::wgmma_blocks},   {"se_weights_t", &EncoderOptions::se_weights_t},
+          {"se_projection", &EncoderOptions::se_projection}, {"wgrad_branch", &EncoderOptions::wgrad_branch}};
 }
 
 EncoderOptions to_options(const OptionMap& given) {
@@ -440,9 +439,6 @@ NB_MODULE(_C, m) {
            "How many of those run as the Hopper warpgroup-MMA kernel (also in the training forward)")
       .def("down_block_count", &EncoderGpu::down_block_count, "h"_a, "w"_a,
            "How many downsampling blocks of the inference forward on h x w inputs run as one fused kernel each")
-      .def("tail_block_count", &EncoderGpu::tail_block_count, "h"_a, "w"_a,
-           "How many downsampling blocks of the inference forward on h x w inputs run shortcut, squeeze-excite and "
-           "join as one kernel")
       .def("squeeze_projection_count", &EncoderGpu::squeeze_projection_count, "n"_a, "h"_a, "w"_a,
            "How many blocks of that geometry's inference forward compute fc1's pre-activations in conv2's GEMM")
       .def("stem_in_block", &EncoderGpu::stem_in_block, "n"_a, "h"_a, "w"_a,

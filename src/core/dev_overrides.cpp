@@ -42,7 +42,6 @@ EncoderOptions with_dev_overrides(EncoderOptions o) {
   read_flag("KFUSE_WGMMA_BLOCK", "off", o.wgmma_blocks);
   if (const char* v = value_of("KFUSE_FUSED_DOWN"))
     o.fused_down = choice("KFUSE_FUSED_DOWN", v, {"0", "1", "2"}, "0 (off), 1 (blocks 2 and 3) or 2 (block 2 only)");
-  read_flag("KFUSE_FUSED_TAIL", "off", o.fused_tail);
   read_flag("KFUSE_SE_WEIGHTS_T", "fp32 fc weights", o.se_weights_t);
   read_flag("KFUSE_SE_PROJECTION", "off", o.se_projection);
   read_flag("KFUSE_WGRAD_BRANCH", "everything on the main stream", o.wgrad_branch);

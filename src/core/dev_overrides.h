@@ -9,7 +9,7 @@
 namespace kfuse {
 
 // `options` with the encoder's overrides applied: KFUSE_PDL (0-3), KFUSE_FUSED_BLOCK, KFUSE_FUSED_STEM,
-// KFUSE_WGMMA_BLOCK, KFUSE_FUSED_DOWN (0-2), KFUSE_FUSED_TAIL, KFUSE_SE_WEIGHTS_T, KFUSE_SE_PROJECTION,
+// KFUSE_WGMMA_BLOCK, KFUSE_FUSED_DOWN (0-2), KFUSE_SE_WEIGHTS_T, KFUSE_SE_PROJECTION,
 // KFUSE_WGRAD_BRANCH (0 / 1) and KFUSE_CUDNN_FUSED (0, 1 or all).
 EncoderOptions with_dev_overrides(EncoderOptions options);
 

@@ -1,5 +1,5 @@
 // The Hopper (sm_90a) PTX wrappers the hand-written warpgroup-MMA and cluster kernels share (conv/wgrad_wgmma.cu,
-// encoder/fused_block_wgmma.cu, encoder/shortcut_excite_cluster.cu ...): wgmma's fence / commit / wait, the proxy
+// encoder/fused_block_wgmma.cu, encoder/fused_down_block_group_wgmma.cu ...): wgmma's fence / commit / wait, the proxy
 // fence between generic shared-memory writes and wgmma's reads, shared-memory matrix descriptors, mbarriers,
 // stmatrix, and clusters' distributed shared memory. Device-only, inline; include it only
 // from translation units compiled for sm_90a. Each kernel keeps its own MMA shape wrappers.

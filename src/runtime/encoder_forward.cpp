@@ -5,9 +5,7 @@
 // Programmatic dependent launch: every kernel after the stem that follows exactly one kfuse kernel on `stream`
 // launches early and waits on the device (the kernels keep the contract of kernels/programmatic_launch.h). Not the
 // shortcut where it starts a side branch from an event, nor the squeeze-excite that joins it: a programmatic edge
-// joins one kernel to the next in a stream, and an event wait has no kernel of its own. (The shortcut-excite kernel
-// follows conv2 directly; the convolutions of its block keep the downsampling blocks' policy, unmeasured without the
-// side branch.)
+// joins one kernel to the next in a stream, and an event wait has no kernel of its own.
 #include "runtime/encoder_gpu_impl.h"
 
 namespace kfuse {
@@ -27,7 +25,7 @@ void EncoderGpu::Impl::launch(const Geometry& g, Activations& act, const kernels
     const kernels::StemArgs* stem = i == 0 && stem_fused ? &stem_args : nullptr;
     if (!launch_fused_block(g, act, i, h, w, stem, chain, stream, ends) &&
         !launch_fused_down_block(g, act, i, h, w, chain, stream))
-      launch_block_kernels(g, act, i, h, w, tail, chain, stream, ends);
+      launch_block_kernels(g, act, i, h, w, tail, chain, stream);
     h /= blocks[i].stride;
     w /= blocks[i].stride;
   }
@@ -103,15 +101,13 @@ bool EncoderGpu::Impl::launch_fused_down_block(const Geometry& g, Activations& a
 }
 
 void EncoderGpu::Impl::launch_block_kernels(const Geometry& g, Activations& act, size_t i, int h, int w,
-                                            const kernels::SqueezeExciteArgs& tail, bool chain, cudaStream_t stream,
-                                            CapturedEnds* ends) {
+                                            const kernels::SqueezeExciteArgs& tail, bool chain, cudaStream_t stream) {
   const auto& b = blocks[i];
   const BlockWeights& W = bw[i];
   const float* s = fptr(W.scalars);
   const auto probs = problems(b, g.n, h, w);
-  // The shortcut inside the squeeze-excite's kernel (after conv2), or as a convolution on a side branch.
-  const bool tail_fused = !act.training && tail_block_applies(i, h, w);
-  const bool side_branch = b.has_downsample && !tail_fused;
+  // The shortcut as a convolution on a side branch, beside conv1 and conv2.
+  const bool side_branch = b.has_downsample;
   if (side_branch) {  // fork: the shortcut needs only a[i], like conv1
     kernels::PdlScope off(false);
     ensure_side_stream();
@@ -136,7 +132,7 @@ void EncoderGpu::Impl::launch_block_kernels(const Geometry& g, Activations& act,
   kernels::FixupEpilogue e2{s + kScale, s + kB2b, nullptr, false};
   if (raw2) e2 = kernels::FixupEpilogue{};
   // The last block's conv2 with the squeeze projection's rows (fc1's pre-activations after each image's o).
-  const PreparedFilter* proj = act.training || tail_fused ? nullptr : squeeze_projection_for(i, probs[1]);
+  const PreparedFilter* proj = act.training ? nullptr : squeeze_projection_for(i, probs[1]);
   if (proj) {
     void* ws = conv_workspace;  // the main stream's half
     check_cuda(kernels::dense_conv_fprop_unrolled(probs[1], dtype, act.h2[i], proj->data, act.o[i], ws,
@@ -150,22 +146,8 @@ void EncoderGpu::Impl::launch_block_kernels(const Geometry& g, Activations& act,
     check_cuda(cudaStreamWaitEvent(stream, join_events[i], 0), "cudaStreamWaitEvent");
 
   const kernels::SqueezeExciteArgs se = squeeze_excite_args(g, act, i, h, w, tail, raw2, proj);
-  if (tail_fused) {
-    kernels::ShortcutExciteArgs sa;
-    sa.se = se;
-    sa.se.identity = nullptr;
-    sa.a = act.a[i];
-    sa.shortcut = wptr(W.shortcut_kc);
-    sa.in_planes = b.in_planes, sa.h = h, sa.w = w;
-    kernels::PdlScope join(chain);  // conv2 just before it in the stream: no event between them
-    check_cuda(kernels::launch_shortcut_excite_cluster(sa, dtype, stream),
-               "shortcut-excite cluster kernel (block " + std::to_string(i + 1) + ")");
-    if (ends) ends->tail_fused = true;
-  } else {
-    kernels::PdlScope join(chain && !b.has_downsample);
-    check_cuda(kernels::launch_squeeze_excite(se, dtype, stream), "squeeze-excite kernel");
-    if (ends) ends->tail_fused = false;
-  }
+  kernels::PdlScope join(chain && !b.has_downsample);
+  check_cuda(kernels::launch_squeeze_excite(se, dtype, stream), "squeeze-excite kernel");
 }
 
 kernels::SqueezeExciteArgs EncoderGpu::Impl::squeeze_excite_args(const Geometry& g, const Activations& act, size_t i,

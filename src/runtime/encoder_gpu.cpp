@@ -39,7 +39,6 @@ std::string capture_forward(EncoderGpu::Impl& m, const Geometry& g, const kernel
   out.graph = graph;
   out.stem = ends.stem;
   out.stem_in_block = ends.stem_in_block;
-  out.tail_fused = ends.tail_fused;
   out.tail = ends.tail;
   out.stem_args = stem;
   out.tail_args = tail;
@@ -80,7 +79,6 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
   m.wgmma_blocks = o.wgmma_blocks;
   m.fuse_down = o.fused_down != 0;
   m.fuse_down_group = o.fused_down == 1;
-  m.fuse_tail = o.fused_tail;
   m.se_weights_t = o.se_weights_t;
   m.se_projection = o.se_projection;
   m.cc_major = info.major;
@@ -164,10 +162,6 @@ int EncoderGpu::down_block_count(int h, int w) const {
   const Impl& m = *impl_;
   return count_blocks(m, h, w, [&](size_t i, int bh, int bw) { return m.down_block_applies(i, bh, bw); });
 }
-int EncoderGpu::tail_block_count(int h, int w) const {
-  const Impl& m = *impl_;
-  return count_blocks(m, h, w, [&](size_t i, int bh, int bw) { return m.tail_block_applies(i, bh, bw); });
-}
 int EncoderGpu::squeeze_projection_count(int n, int h, int w) const {
   const Impl& m = *impl_;
   KFUSE_CHECK(n >= 1, InvalidArgument, "squeeze_projection_count: n must be >= 1, got ", n);
@@ -210,7 +204,6 @@ void EncoderGpu::set_weights(const EncoderParams<float>& params) {
     if (b.has_downsample) {
       const HostTensor<float>& wd = params.at(b.prefix + b.downsample_weight());
       hw.put_t(W.shortcut, b.stride > 1 ? pooled_shortcut_krsc(wd) : krsc(wd));
-      if (W.shortcut_kc != kNone) hw.put_t(W.shortcut_kc, krsc(wd));  // [planes][1][1][in_planes]
       if (W.down_stream != kNone) {
         const DownStreamOffsets o = down_stream_offsets(b);
         for (int r = 0; r < o.ranks; ++r) {
@@ -332,18 +325,10 @@ void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, c
   if (gr.tail_args.out_nchw != tail.out_nchw) {
     cudaKernelNodeParams p{};
     check_cuda(cudaGraphKernelNodeGetParams(gr.tail, &p), "cudaGraphKernelNodeGetParams");
-    // The last block's squeeze-excite kernel, or the shortcut-excite kernel whose arguments begin with one.
-    kernels::SqueezeExciteArgs patched;
-    kernels::ShortcutExciteArgs patched_fused;
+    // The last block's squeeze-excite kernel.
+    kernels::SqueezeExciteArgs patched = *static_cast<const kernels::SqueezeExciteArgs*>(p.kernelParams[0]);
+    patched.out_nchw = tail.out_nchw;
     void* args[] = {&patched};
-    if (gr.tail_fused) {
-      patched_fused = *static_cast<const kernels::ShortcutExciteArgs*>(p.kernelParams[0]);
-      patched_fused.se.out_nchw = tail.out_nchw;
-      args[0] = &patched_fused;
-    } else {
-      patched = *static_cast<const kernels::SqueezeExciteArgs*>(p.kernelParams[0]);
-      patched.out_nchw = tail.out_nchw;
-    }
     p.kernelParams = args;
     check_cuda(cudaGraphExecKernelNodeSetParams(gr.exec, gr.tail, &p), "cudaGraphExecKernelNodeSetParams");
     gr.tail_args.out_nchw = tail.out_nchw;

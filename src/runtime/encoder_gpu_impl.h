@@ -115,7 +115,6 @@ struct BlockWeights {  // byte offsets into the packed weights; kNone where the 
   size_t conv2_flip, conv1_flip;  // training only: data gradients of the stride-1 convs as forward convs
   size_t conv1_planes, conv2_planes;  // blocks of the warpgroup-MMA kernel's shape: its filter images (tap_planes)
   size_t down_stream;  // downsampling blocks of the fused kernel's shape: its filter stream (down_stream_offsets)
-  size_t shortcut_kc;  // blocks of the shortcut-excite kernel's shape: the 1x1 shortcut filter, [planes][in_planes]
   // The squeeze-excite's fc weights as T for the inference forward (kernels::SqueezeExciteArgs::w1_t, w2_t): fc1's
   // [hidden][planes] at fc_t, fc2's [planes][hidden] right after it (fc_t + fc2_t_offset(b)).
   size_t fc_t;
@@ -133,11 +132,6 @@ inline bool fusable_block_shape(const EncoderConfig::Block& b) {
 inline bool fusable_down_block_shape(const EncoderConfig::Block& b) {
   return b.has_downsample && b.stride == 2 &&
          kernels::fused_down_block_filter_ranks(b.in_planes, b.planes, b.se_hidden) != 0;
-}
-// Whether a block has the shape of kernels::launch_shortcut_excite_cluster (block 4 of the default network: 256 -> 512
-// channels, stride 2, the pooled shortcut, hidden = 32).
-inline bool fusable_tail_shape(const EncoderConfig::Block& b) {
-  return b.has_downsample && kernels::shortcut_excite_cluster_shape(b.in_planes, b.planes, b.se_hidden, b.stride);
 }
 // That kernel's filter stream: `ranks` slices of planes / ranks output channels, one after the other, each the
 // shortcut's 1x1 filter, conv1's and conv2's as tap planes of those channels, contiguous (byte offsets of slice 0's
@@ -192,7 +186,6 @@ inline WeightLayout plan_weights(const EncoderConfig& config, const std::vector<
     L.blocks[i].conv1_planes = planes ? take(2 * size_t(b.planes) * 9 * b.in_planes) : kNone;
     L.blocks[i].conv2_planes = planes ? take(2 * size_t(b.planes) * 9 * b.planes) : kNone;
     L.blocks[i].down_stream = fusable_down_block_shape(b) ? take(down_stream_offsets(b).bytes) : kNone;
-    L.blocks[i].shortcut_kc = fusable_tail_shape(b) ? take(2 * size_t(b.planes) * b.in_planes) : kNone;
     L.blocks[i].fc_t = take(fc2_t_offset(b) + 2 * size_t(b.planes) * b.se_hidden);
   }
   return L;
@@ -243,7 +236,6 @@ struct Graph {
   cudaGraphExec_t exec = nullptr;
   cudaGraphNode_t stem = nullptr, tail = nullptr;
   bool stem_in_block = false;  // the stem node is block 1's kernel (its FusedBlockArgs::stem), not the stem kernel
-  bool tail_fused = false;     // the tail node is the shortcut-excite kernel (ShortcutExciteArgs), not the squeeze-excite
   kernels::StemArgs stem_args;
   kernels::SqueezeExciteArgs tail_args;
 };
@@ -295,12 +287,6 @@ struct EncoderGpu::Impl {
   // options.fused_down: 0 never, 2 block 2's shape only (one CTA per image), 1 (default) both.
   bool fuse_down = true;
   bool fuse_down_group = true;  // block 3's shape (a group of 4 CTAs per 4 images)
-  // Where it applies (Hopper, 4 x 4 input maps of block 4's shape), the last downsampling block's shortcut,
-  // squeeze-excite and join run as kernels::launch_shortcut_excite_cluster after its conv1 and conv2, instead of the
-  // shortcut convolution on a side branch and the squeeze-excite kernel. Opt-in (options.fused_tail): at batch 128 on
-  // H100 the cluster kernel took 10.8 us against the 4.9 us of the squeeze-excite it replaces (the shortcut runs beside
-  // conv1 for free), 72.4 against 67.5 us per forward back to back.
-  bool fuse_tail = false;
   // The inference forward's squeeze-excite kernels read the fc weights as T where they can (BlockWeights::fc_t).
   // options.se_weights_t false: always fp32.
   bool se_weights_t = true;
@@ -445,9 +431,7 @@ struct EncoderGpu::Impl {
     return b.se_hidden * 16 == b.planes && b.se_hidden % 8 == 0 ? b.se_hidden : 0;
   }
   int squeeze_projection_rows(size_t i, int h, int w, const ConvConfig& c, const Conv2dProblem& p) const {
-    if (!se_projection || i + 1 != blocks.size() || !c.dense || !c.unrolled || p.n > sm_count ||
-        tail_block_applies(i, h, w))
-      return 0;
+    if (!se_projection || i + 1 != blocks.size() || !c.dense || !c.unrolled || p.n > sm_count) return 0;
     const int rows = projection_rows_max(blocks[i]);
     return (int64_t(p.p()) * p.q() * p.k + rows) % 8 == 0 ? rows : 0;
   }
@@ -562,8 +546,7 @@ struct EncoderGpu::Impl {
       const bool fused = !training && (down_block_applies(i, h, w) || wgmma_block_applies(i, h, w) ||
                                        fused_block_applies(i, h, w));
       const auto probs = problems(b, g.n, h, w);
-      const size_t convs = !training && tail_block_applies(i, h, w) ? 2 : probs.size();  // no shortcut conv there
-      for (size_t j = 0; j < convs && !fused; ++j)
+      for (size_t j = 0; j < probs.size() && !fused; ++j)
         if (choose(probs[j], j == 0).is_library()) return true;
       h /= b.stride;
       w /= b.stride;
@@ -575,7 +558,7 @@ struct EncoderGpu::Impl {
   // squeeze-excite (the graph's only leaf), taken from the capture as they are launched.
   struct CapturedEnds {
     cudaGraphNode_t stem = nullptr, tail = nullptr;
-    bool stem_in_block = false, tail_fused = false;
+    bool stem_in_block = false;
   };
   // The node just captured on `stream` (null when it is not capturing or the last operation left several).
   static cudaGraphNode_t last_captured_node(cudaStream_t stream) {
@@ -612,15 +595,6 @@ struct EncoderGpu::Impl {
         kernels::fused_down_block_smem_bytes(b.in_planes, b.planes, b.se_hidden, h, w, cc_major, cc_minor);
     return smem != 0 && smem <= smem_optin;
   }
-  // Whether block i, whose input is h x w, runs its shortcut, squeeze-excite and join as the shortcut-excite cluster
-  // kernel in the inference forward.
-  bool tail_block_applies(size_t i, int h, int w) const {
-    if (!fuse_tail || bw[i].shortcut_kc == kNone) return false;
-    const auto& b = blocks[i];
-    const size_t smem = kernels::shortcut_excite_cluster_smem_bytes(b.in_planes, b.planes, b.se_hidden, b.stride, h,
-                                                                    w, cc_major, cc_minor);
-    return smem != 0 && smem <= smem_optin;
-  }
   bool fusable_block(size_t i) const { return fuse_blocks && i + 1 < blocks.size() && fusable_block_shape(blocks[i]); }
   // Whether the inference forward of geometry g computes the stem inside block 1's warpgroup-MMA kernel: that kernel
   // applies, and every CTA has at most one image (it stages the stem's weights in its second image buffer).
@@ -645,8 +619,7 @@ struct EncoderGpu::Impl {
                                cudaStream_t stream);
   // Otherwise: conv1 (the shortcut beside it on the side branch), conv2, then the squeeze-excite and join.
   void launch_block_kernels(const Geometry& g, Activations& act, size_t i, int h, int w,
-                            const kernels::SqueezeExciteArgs& tail, bool chain, cudaStream_t stream,
-                            CapturedEnds* ends);
+                            const kernels::SqueezeExciteArgs& tail, bool chain, cudaStream_t stream);
   // The squeeze-excite's arguments for block i (raw2: conv2 wrote its raw output; proj: the squeeze projection's
   // filter, where conv2 computed fc1's pre-activations).
   kernels::SqueezeExciteArgs squeeze_excite_args(const Geometry& g, const Activations& act, size_t i, int h, int w,

@@ -349,7 +349,6 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
         add(wd, W.shortcut, int64_t(P) * 9 * C, PackKind::kPooled, P, C, 1, 1);
       else
         add(wd, W.shortcut, int64_t(P) * C, PackKind::kKrsc, P, C, 1, 1);
-      if (W.shortcut_kc != kNone) add(wd, W.shortcut_kc, int64_t(P) * C, PackKind::kKrsc, P, C, 1, 1);
       if (W.down_stream != kNone) {
         const DownStreamOffsets o = down_stream_offsets(b);
         const int K = o.rank_planes;

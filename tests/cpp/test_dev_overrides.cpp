@@ -15,7 +15,7 @@ namespace {
 using kfuse::EncoderOptions;
 
 const std::vector<std::string> kEncoderVars = {"KFUSE_PDL",          "KFUSE_FUSED_BLOCK",  "KFUSE_FUSED_STEM",
-                                               "KFUSE_WGMMA_BLOCK",  "KFUSE_FUSED_DOWN",   "KFUSE_FUSED_TAIL",
+                                               "KFUSE_WGMMA_BLOCK",  "KFUSE_FUSED_DOWN",
                                                "KFUSE_SE_WEIGHTS_T", "KFUSE_SE_PROJECTION", "KFUSE_WGRAD_BRANCH",
                                                "KFUSE_CUDNN_FUSED"};
 const std::vector<std::string> kMlpVars = {"KFUSE_MLP_PACKED_RELU", "KFUSE_MLP_STAGED_STORES", "KFUSE_MLP_MMA_BIAS"};
@@ -51,7 +51,6 @@ TEST_F(DevOverrides, EachVariableOverridesItsField) {
   setenv("KFUSE_FUSED_STEM", "0", 1);
   setenv("KFUSE_WGMMA_BLOCK", "0", 1);
   setenv("KFUSE_FUSED_DOWN", "2", 1);
-  setenv("KFUSE_FUSED_TAIL", "1", 1);
   setenv("KFUSE_SE_WEIGHTS_T", "0", 1);
   setenv("KFUSE_SE_PROJECTION", "0", 1);
   setenv("KFUSE_WGRAD_BRANCH", "0", 1);
@@ -62,7 +61,6 @@ TEST_F(DevOverrides, EachVariableOverridesItsField) {
   EXPECT_FALSE(o.fused_stem);
   EXPECT_FALSE(o.wgmma_blocks);
   EXPECT_EQ(o.fused_down, 2);
-  EXPECT_TRUE(o.fused_tail);
   EXPECT_FALSE(o.se_weights_t);
   EXPECT_FALSE(o.se_projection);
   EXPECT_FALSE(o.wgrad_branch);

@@ -182,24 +182,4 @@ int fused_down_block_group_ranks(int in_planes, int planes, int hidden);  // 4 f
 cudaError_t launch_fused_down_block_group_wgmma(const FusedDownBlockArgs& args, ConvDType dtype, size_t smem,
                                                cudaStream_t stream);
 
-// The tail of a downsampling block of block 4's shape (256 -> 512 channels, stride 2, hidden 32, 4 x 4 input maps)
-// after its conv1 and conv2, as one Hopper kernel for inference (shortcut_excite_cluster.cu): the shortcut
-// idt = conv1x1(avgpool3x3(a)) (fp32), the squeeze-excitation of o and the join y = relu(o * g + idt), with
-// launch_squeeze_excite's outputs and rules; a cluster of 8 CTAs per 8 images, each streaming an eighth of the
-// shortcut's and the fc layers' weights. se: as for launch_squeeze_excite (hw = 4), its identity unused; a: the block's
-// input x + b1a, NHWC [n][4][4][256] of T; shortcut: the 1x1 filter [512][256] of T. 16-byte aligned pointers.
-struct ShortcutExciteArgs {
-  SqueezeExciteArgs se;  // first: a captured graph's tail node is patched through it (the output pointer)
-  const void* a = nullptr;
-  const void* shortcut = nullptr;
-  int in_planes = 0, h = 0, w = 0;  // h, w: the block's input size
-};
-// Whether a downsampling block has the kernel's shape (its input size and the device aside).
-bool shortcut_excite_cluster_shape(int in_planes, int planes, int hidden, int stride);
-// Dynamic shared memory of the kernel for a block of this shape and input size on a device of compute capability
-// major.minor; 0 where none runs (block 4's shape at 4 x 4 input maps, compute capability 9.0 only).
-size_t shortcut_excite_cluster_smem_bytes(int in_planes, int planes, int hidden, int stride, int h, int w,
-                                          int cc_major, int cc_minor);
-cudaError_t launch_shortcut_excite_cluster(const ShortcutExciteArgs& args, ConvDType dtype, cudaStream_t stream);
-
 }  // namespace kfuse::kernels
