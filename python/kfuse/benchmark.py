@@ -372,9 +372,28 @@ def run_gpu(args) -> int:
         from .bench_mlp import run_mlp  # the fused-MLP workload (bench-protocol.md: mlp)
 
         summaries += run_mlp(args, meta_dev, out_dir)
+    rl = []
+    if args.workload in ("rl", "all"):
+        from .bench_rl import run_rl  # the DD-PPO loop (bench-protocol.md: rl)
+
+        rl = run_rl(args, meta_dev, out_dir)
     for title, rows in summaries:
         print_table(title, rows)
+    for title, rows in rl:
+        print_rl_table(title, rows)
     return 0
+
+
+def print_rl_table(title: str, rows: list[dict]) -> None:
+    kfuse = next((r for r in rows if r["impl"] == "kfuse" and "fps" in r), None)
+    print(f"\n{title}")
+    print(f"{'impl':<20}{'frames/s':>10}{'rollout ms':>12}{'update ms':>11}{'kfuse vs':>10}")
+    for r in rows:
+        if "fps" not in r:
+            print(f"{r['impl']:<20}  failed: {r.get('error', '?')}")
+            continue
+        ratio = f"{kfuse['fps'] / r['fps']:.2f}x" if kfuse and r is not kfuse else ""
+        print(f"{r['impl']:<20}{r['fps']:>10.0f}{r['rollout_ms']:>12.2f}{r['update_ms']:>11.2f}{ratio:>10}")
 
 
 def tune_main(args) -> int:
@@ -411,5 +430,11 @@ def tune_main(args) -> int:
 
 def main(args) -> int:
     if args.cpu or not torch.cuda.is_available():
+        if args.workload == "rl":
+            from .bench_rl import run_rl_cpu
+
+            print(f"No CUDA GPU in use: {GPU_REQUIREMENT}. Running a small DD-PPO loop on the CPU instead.")
+            run_rl_cpu()
+            return 0
         return run_cpu(args)
     return run_gpu(args)

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("bench", help="run the benchmark (bench-protocol workloads; CPU reference without a GPU)")
-    p.add_argument("--workload", default="all", choices=["resnet-infer", "resnet-train", "mlp", "all"],
+    p.add_argument("--workload", default="all", choices=["resnet-infer", "resnet-train", "mlp", "rl", "all"],
                    help="which workload to run on a GPU (default: %(default)s)")
     p.add_argument("--channels", type=int, nargs="+", default=[3, 1], help="input channels to run (default: 3 1)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: 128 on a GPU, 2 on the CPU)")
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="only these implementations (kfuse, torch-eager-fp16, torch-jit-fp16, torch-eager-cl, "
                         "torch-cudagraph, torch-compile, torch-compile-ro, torch-compile-max)")
     p.add_argument("--max-autotune", action="store_true", help="also run torch.compile(mode='max-autotune') (slow)")
+    p.add_argument("--rl-iters", type=int, default=5, help="timed DD-PPO iterations per implementation (rl)")
+    p.add_argument("--rl-envs", type=int, default=128, help="environments of the rl workload (default: %(default)s)")
     p.add_argument("--out", default="bench/results", help="results folder (default: %(default)s)")
     p.add_argument("--cpu", action="store_true", help="run the CPU reference even when a GPU is present")
     p.set_defaults(func=_bench)

@@ -182,7 +182,10 @@ def compute_gae(rewards, values, masks, gamma: float, tau: float) -> torch.Tenso
 class PPOTrainer:
     """Rollouts and PPO updates of `policy` on synthetic environments. The optimizer steps fp32 master weights (Adam,
     lr scaled by the batch as in bps-nav) and copies them back into the policy's parameters with `p.data.copy_` (no
-    version bump: the write kfuse must follow); fp16 policies use a GradScaler."""
+    version bump: the write kfuse must follow); fp16 policies use a GradScaler.
+
+    `act` and `evaluate` are what the rollout and the update call in place of the policy (default: the policy
+    itself), e.g. differently compiled versions of it; they must compute with the policy's parameters."""
 
     def __init__(self, policy: Policy, num_envs: int = 128, steps: int = 32, config: PPOConfig | None = None,
                  seed: int = 0):
@@ -201,6 +204,7 @@ class PPOTrainer:
         self.hidden = policy.initial_hidden(num_envs)
         self.prev_action = torch.full((num_envs,), NUM_ACTIONS, dtype=torch.long, device=self.device)
         self.frames, self.goal = self.envs.observe()
+        self.act = self.evaluate = policy
 
     @torch.no_grad()
     def rollout(self) -> None:
@@ -210,7 +214,7 @@ class PPOTrainer:
         s.masks[0] = s.masks[-1]
         for t in range(self.steps):
             s.frames[t], s.goals[t], s.prev_actions[t] = self.frames, self.goal, self.prev_action
-            logits, value, self.hidden = pol(self.frames, self.goal, self.prev_action, self.hidden, s.masks[t])
+            logits, value, self.hidden = self.act(self.frames, self.goal, self.prev_action, self.hidden, s.masks[t])
             dist = torch.distributions.Categorical(logits=logits)
             action = torch.multinomial(dist.probs, 1, generator=self.sample_gen).squeeze(1)
             s.actions[t], s.logprobs[t], s.values[t] = action, dist.log_prob(action), value
@@ -218,7 +222,7 @@ class PPOTrainer:
             s.rewards[t], s.masks[t + 1] = reward, mask
             self.prev_action = torch.where(mask > 0, action, torch.full_like(action, NUM_ACTIONS))
             self.frames, self.goal = self.envs.observe()
-        _, s.values[-1], _ = pol(self.frames, self.goal, self.prev_action, self.hidden, s.masks[-1])
+        _, s.values[-1], _ = self.act(self.frames, self.goal, self.prev_action, self.hidden, s.masks[-1])
         pol.obs_norm.update(s.frames)
 
     def update(self) -> dict:
@@ -234,8 +238,8 @@ class PPOTrainer:
                 m = len(mb)
                 flat = lambda v: v[:, mb].reshape(self.steps * m, *v.shape[2:])  # noqa: E731 (time-major)
                 hidden = (s.hidden0[0][:, mb], s.hidden0[1][:, mb])
-                logits, values, _ = pol(flat(s.frames), flat(s.goals), flat(s.prev_actions), hidden,
-                                        flat(s.masks[:-1]))
+                logits, values, _ = self.evaluate(flat(s.frames), flat(s.goals), flat(s.prev_actions), hidden,
+                                                  flat(s.masks[:-1]))
                 dist = torch.distributions.Categorical(logits=logits)
                 ratio = torch.exp(dist.log_prob(flat(s.actions)) - flat(s.logprobs))
                 a = flat(adv)

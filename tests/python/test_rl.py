@@ -2,6 +2,7 @@
 losses and weights with kfuse's encoder as with plain PyTorch's (both float32 on the CPU: kfuse's C++ reference,
 float32 storage with float64 sums, against PyTorch's float32 convolutions)."""
 
+import pytest
 import torch
 
 from kfuse import rl
@@ -48,3 +49,19 @@ def test_gae_matches_a_direct_computation():
                 adv += discount * delta
                 discount *= 0.99 * 0.95 * masks[u + 1, j]
             assert abs(got[t, j] - (adv + values[t, j])) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["kfuse", "torch-jit-fp16"])
+def test_bench_rl_configurations_run_and_agree(impl):
+    """The rl benchmark's configurations (kfuse.bench_rl) run a PPO iteration on the CPU (float32, 2 environments x 2
+    steps) with the losses of the plain eager policy from the same seed (float32 sums in another order: 1e-4), and
+    report frames per second."""
+    from kfuse import bench_rl
+
+    trainer = bench_rl._trainer(impl, "cpu", num_envs=2, steps=2, seed=3, dtype=torch.float32)
+    eager = bench_rl._trainer("torch-eager", "cpu", num_envs=2, steps=2, seed=3, dtype=torch.float32)
+    got, want = trainer.iteration(), eager.iteration()
+    for key in ("loss", "value_loss", "entropy"):
+        assert abs(got[key] - want[key]) <= 1e-4 * max(1.0, abs(want[key])), key
+    r = bench_rl.time_iterations(trainer, iterations=1, warmup=0)
+    assert r["fps"] > 0 and r["frames_per_iteration"] == 4 and r["gpus"] == 1

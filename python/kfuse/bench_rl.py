@@ -1,0 +1,151 @@
+"""The rl workload of shared/bench-protocol.md: frames per second of one DD-PPO iteration (kfuse.rl: 32 rollout steps
+of batch-128 inference on new uint8 observations, then the PPO update over two 2048-image minibatches with fp32
+master weights, GradScaler and gradient clipping) for the kfuse encoder and for plain-PyTorch encoders in bps-nav's
+own configuration and under torch.compile, in one process:
+
+  kfuse           the policy with kfuse's encoder, eager around it
+  torch-jit-fp16  bps-nav's configuration: the plain encoder, the compression conv and fc under torch.jit.script
+                  (the LSTM is cuDNN's either way), fp16, NCHW, cudnn.benchmark
+  torch-compile   the plain-encoder policy under torch.compile: mode="reduce-overhead" for the rollout, the default
+                  mode for the update
+
+Everything but the encoder (and how the policy is compiled) is the same code. Time per iteration: wall time of the
+rollout and of the update, each ended by a device synchronize; frames/s = steps x environments / (rollout + update).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .rl import PPOTrainer, Policy
+
+RL_ENVS = 128
+RL_STEPS = 32
+IMPLS = ("kfuse", "torch-jit-fp16", "torch-compile")
+
+
+def _trainer(impl: str, device, num_envs: int, steps: int, seed: int, dtype=torch.float16) -> PPOTrainer:
+    encoder = "kfuse" if impl == "kfuse" else "torch"
+    policy = Policy(encoder=encoder, seed=seed).to(device, dtype)
+    trainer = PPOTrainer(policy, num_envs=num_envs, steps=steps, seed=seed)
+    if impl == "torch-jit-fp16":
+        for name in ("encoder", "compress", "fc"):  # (a scripted nn.LSTM is callable only from TorchScript)
+            setattr(policy, name, torch.jit.script(getattr(policy, name)))
+    elif impl == "torch-compile":
+        trainer.act = _cloned_outputs(torch.compile(policy, mode="reduce-overhead"))
+        trainer.evaluate = torch.compile(policy)
+    return trainer
+
+
+def _cloned_outputs(fn):
+    """A reduce-overhead function's outputs live in its CUDA graph's memory, rewritten by the next replay: cloned."""
+    def act(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        logits, value, (h, c) = fn(*args)
+        return logits.clone(), value.clone(), (h.clone(), c.clone())
+
+    return act
+
+
+def time_iterations(trainer: PPOTrainer, iterations: int, warmup: int) -> dict:
+    """Median rollout and update wall times (ms) over `iterations` after `warmup` (compilation, tuning, capture)."""
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    rollout, update = [], []
+    for i in range(warmup + iterations):
+        sync()
+        t0 = time.perf_counter()
+        trainer.rollout()
+        sync()
+        t1 = time.perf_counter()
+        trainer.update()
+        sync()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            rollout.append((t1 - t0) * 1e3)
+            update.append((t2 - t1) * 1e3)
+    r, u = statistics.median(rollout), statistics.median(update)
+    frames = trainer.steps * trainer.n
+    return {"fps": round(frames / ((r + u) / 1e3), 1), "rollout_ms": round(r, 3), "update_ms": round(u, 3),
+            "frames_per_iteration": frames, "gpus": 1}
+
+
+def _write(path: Path, meta: dict, rows: list[dict], title: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench] matplotlib missing: no barplot")
+        return
+    rows = [r for r in rows if "fps" in r]
+    if not rows:
+        return
+    names = [r["impl"] for r in rows]
+    fps = [r["fps"] for r in rows]
+    ref = next((r["fps"] for r in rows if r["impl"] == "kfuse"), None)
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.6))
+    ys = range(len(rows))
+    ax.barh(list(ys), fps, height=0.5, color="#4c72b0")
+    for y, r in zip(ys, rows):
+        label = f" {r['fps']:.0f} frames/s (rollout {r['rollout_ms']:.1f} + update {r['update_ms']:.1f} ms)"
+        if ref and r["impl"] != "kfuse":
+            label += f"  kfuse {ref / r['fps']:.2f}x"
+        ax.text(r["fps"], y, label, va="center", fontsize=8)
+    ax.set_yticks(list(ys), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("frames per second (higher is better)")
+    ax.set_title(f"{title}\n{meta.get('device')}, torch {meta.get('torch')}", fontsize=9)
+    ax.set_xlim(0, max(fps) * 1.9)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+
+
+def run_rl(args, meta_dev: dict, out_dir: Path) -> list:
+    """The rl workload on the current CUDA device; returns [(title, rows)] for the summary table."""
+    iterations = getattr(args, "rl_iters", None) or 5
+    envs = getattr(args, "rl_envs", None) or RL_ENVS
+    torch.backends.cudnn.benchmark = True  # bps-nav's setting; kfuse's own kernels do not use it
+    rows = []
+    for impl in (args.impl or IMPLS):
+        if impl not in IMPLS:
+            continue
+        t0 = time.perf_counter()
+        try:
+            trainer = _trainer(impl, "cuda", envs, RL_STEPS, seed=0)
+            r = {"impl": impl, **time_iterations(trainer, iterations, warmup=3)}
+        except Exception as err:  # a baseline that fails to compile is reported, not fatal to the run
+            r = {"impl": impl, "error": f"{type(err).__name__}: {err}"[:300]}
+            print(f"[bench] rl {impl}: failed: {r['error']}", flush=True)
+        else:
+            print(f"[bench] rl {impl}: {r['fps']:.0f} frames/s (rollout {r['rollout_ms']:.1f} ms, update "
+                  f"{r['update_ms']:.1f} ms; {time.perf_counter() - t0:.0f} s)", flush=True)
+        rows.append(r)
+        trainer = None
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    meta = dict(meta_dev, workload="rl", channels=3, num_envs=envs, steps=RL_STEPS, minibatches=2,
+                input="uint8 RGBA 64x64, fp16 policy")
+    path = out_dir / "rl-c3.json"
+    _write(path, meta, rows, "rl: one DD-PPO iteration (32 x 128 frames, 2 minibatches)")
+    return [(f"rl ({path})", rows)]
+
+
+def run_rl_cpu(num_envs: int = 4, steps: int = 4) -> None:
+    """Without a GPU: a few iterations of a small loop with each encoder on the CPU (float32), to show it runs."""
+    for encoder in ("kfuse", "torch"):
+        policy = Policy(encoder=encoder, seed=0).float()
+        trainer = PPOTrainer(policy, num_envs=num_envs, steps=steps, seed=0)
+        t0 = time.perf_counter()
+        stats = [trainer.iteration() for _ in range(2)]
+        dt = (time.perf_counter() - t0) / 2
+        print(f"rl on the CPU, {encoder} encoder: {num_envs} environments x {steps} steps per iteration, "
+              f"{dt * 1e3:.0f} ms per iteration, loss {stats[-1]['loss']:.6f}")
