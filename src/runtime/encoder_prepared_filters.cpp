@@ -34,7 +34,7 @@ void EncoderGpu::Impl::ensure_prepared_filters(const Geometry& g, cudaStream_t s
       const size_t wo = problem_filter(i, j);
       if (bytes == 0 || prepared.count(prepared_key(c, probs[j], wo))) continue;
       PreparedFilter f{c, probs[j], wo, nullptr};
-      if (j == 1 && (f.extra_rows = squeeze_projection_rows(i, h, w, c, probs[j])) > 0) {
+      if (j == 1 && (f.extra_rows = squeeze_projection_rows(i, c, probs[j])) > 0) {
         const Conv2dProblem& p = probs[j];
         const size_t rows = size_t(p.p()) * p.q() * p.k + f.extra_rows, kd = size_t(p.h) * p.w * p.c;
         f.rowsum_at = std::max(bytes, (rows * kd * 2 + 255) / 256 * 256);
