@@ -185,16 +185,27 @@ class PPOTrainer:
     version bump: the write kfuse must follow); fp16 policies use a GradScaler.
 
     `act` and `evaluate` are what the rollout and the update call in place of the policy (default: the policy
-    itself), e.g. differently compiled versions of it; they must compute with the policy's parameters."""
+    itself; for the update, its DistributedDataParallel wrapper where a process group is up), e.g. differently
+    compiled versions of it; they must compute with the policy's parameters."""
 
     def __init__(self, policy: Policy, num_envs: int = 128, steps: int = 32, config: PPOConfig | None = None,
-                 seed: int = 0):
+                 seed: int = 0, distributed: bool | None = None):
         self.policy, self.n, self.steps = policy, num_envs, steps
         self.cfg = config or PPOConfig()
         p = next(policy.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.envs = SyntheticEnvs(num_envs, self.device, seed)
-        self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 1)
+        # Data parallel where a process group is up (one process per GPU, as DD-PPO runs): the update runs through
+        # DistributedDataParallel, whose construction broadcasts rank 0's parameters into every rank's storage and
+        # whose backward all-reduces the gradients; each rank simulates its own environments.
+        if distributed is None:
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = torch.distributed.get_rank() if distributed else 0
+        self.ddp = None
+        if distributed:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids)
+        self.envs = SyntheticEnvs(num_envs, self.device, seed + 1000 * self.rank)
+        self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 1 + 1000 * self.rank)
         self.params = [q for q in policy.parameters() if q.requires_grad]
         self.masters = [q.detach().float().clone().requires_grad_() for q in self.params]
         lr = self.cfg.lr * math.sqrt(num_envs * steps / 4096)  # scaled by the batch
@@ -204,7 +215,8 @@ class PPOTrainer:
         self.hidden = policy.initial_hidden(num_envs)
         self.prev_action = torch.full((num_envs,), NUM_ACTIONS, dtype=torch.long, device=self.device)
         self.frames, self.goal = self.envs.observe()
-        self.act = self.evaluate = policy
+        self.act = policy
+        self.evaluate = self.ddp if self.ddp is not None else policy
 
     @torch.no_grad()
     def rollout(self) -> None:
