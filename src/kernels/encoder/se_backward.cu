@@ -24,6 +24,8 @@
 //   3. a split-K kernel forms the parameter-gradient partials over chunks of images (tiny GEMMs over the batch:
 //      dw1 = d_z1^T m, dw2 = d_z2^T r, and the bias sums), and
 //   4. a finalize kernel sums the chunk partials and the per-CTA scalar partials in a fixed order.
+// Steps 1 and 2 are here, 3 and 4 in se_backward_params.cu; the host's plan (workspace layout, images per CTA, shared-
+// memory offsets) in se_backward_plan.cpp.
 // 512 threads and at most ~96 KB of shared memory per CTA (the opt-in max of sm_86/89 is 99 KB): two CTAs per SM on
 // H100 overlap one CTA's FC phase with the other's loads. No floating-point atomics anywhere, every reduction order
 // is fixed by the launch configuration (which depends only on the arguments and the SM count): the same inputs give
@@ -38,63 +40,12 @@
 
 #include "kernels/encoder/backward_kernels.h"
 #include "kernels/encoder/numeric.cuh"
+#include "kernels/encoder/se_backward_plan.cuh"
 
 namespace kfuse::kernels {
 namespace {
 
-constexpr int kThreads = 512;                // main kernel
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxImagesPerCta = 8;
-constexpr int64_t kTargetElemsPerCta = 16384; // G * hw * p: ~4 vectors per thread per tensor
-constexpr size_t kDefaultSmem = 48 * 1024;
-constexpr size_t kMaxSmem = 99 * 1024;        // sm_86 / sm_89 opt-in limit per block (sm_80: 163 KB, sm_90: 227 KB)
-constexpr int kMaxP = 2048;
-constexpr int kParamThreads = 256;            // parameter-gradient partials: one thread per channel
-constexpr int kParamJ = 8;                    //   hidden units per CTA
-constexpr int kParamN = 32;                   //   images staged per step
-constexpr int kFinalThreads = 256;
-
-// Where the main kernel reads dy from.
-enum DyMode : int {
-  kDyNhwc = 0,       // NHWC T, 16-byte loads
-  kDyStagedT = 1,    // NCHW T, copied and transposed into shared memory first
-  kDyStagedF32 = 2,  // NCHW fp32, the same
-  kDyNchwT = 3,      // NCHW T, element loads (too large to stage)
-  kDyNchwF32 = 4,    // NCHW fp32, element loads
-};
-
-// --- the main kernel -------------------------------------------------------------------------------------------------
-
-// Everything the main kernel needs; shared-memory offsets (bytes) come from the host's plan (plan_main).
-struct MainParams {
-  const void* y;
-  const float* y_offset;  // null: the ReLU was active where y > 0; else where y > T(*y_offset)
-  const void* dy;
-  const void* o;
-  const float* o_scale;  // null: o is the SE input itself; else o = T(o * scale + shift)
-  const float* o_shift;
-  const float* w1;   // [hidden][p]
-  const float* w1t;  // [p][hidden] (workspace)
-  const float* b1;
-  const float* w2;   // [p][hidden]
-  const float* w2t;  // [hidden][p] (workspace)
-  const float* b2;
-  void* d_o;
-  void* dz;
-  float* ws_m;    // [n][p]
-  float* ws_dz2;  // [n][p]
-  float* ws_r;    // [n][hidden]
-  float* ws_dz1;  // [n][hidden]
-  float* ws_scal; // [ctas][3]: sum dy, sum dz, sum d_o
-  int n, hw, p, hidden, dz_pitch;
-  int dy_mode;
-  int cached;     // dz kept in the shared-memory stage (else re-read from global memory)
-  int sums;       // write the per-CTA scalar partials
-  int sl_rows;    // row slices of an image in the elementwise passes: (kThreads / G) / (p / 8)
-  int sl_col;     // slices of the column partials after the warp pre-reduce
-  int prereduce;  // G * p / 8 divides 32: the lanes of one column are summed by shuffles first
-  uint32_t off_stage, off_dyst, off_po, off_pd, off_y, off_r1, off_d1, off_red;
-};
+using namespace se_backward_detail;
 
 // Row r of an operand array of G floats per row: arrays of p rows get an empty row after every 8 (G > 1), so that the
 // column-partial stores of a warp (lanes = images x 8-channel groups) hit distinct banks.
@@ -507,274 +458,6 @@ __global__ void __launch_bounds__(256) se_transpose_kernel(const float* w1, cons
   }
 }
 
-// --- parameter gradients: split over chunks of images, then a fixed-order sum ----------------------------------------
-
-// Partial slab of chunk q (slab = 2 hidden p + hidden + p floats): [dw1 as [hidden][p]] [dw2 as [hidden][p]]
-// [db1 [hidden]] [db2 [p]].
-struct ParamParams {
-  const float* m;    // [n][p]
-  const float* dz2;  // [n][p]
-  const float* r;    // [n][hidden]
-  const float* dz1;  // [n][hidden]
-  float* part;       // [q][slab]
-  int n, p, hidden, chunk;
-};
-
-// Grid (ceil(p / 256), ceil(hidden / 8), q): thread = channel c, 8 hidden units j, images of chunk q in order.
-__global__ void __launch_bounds__(kParamThreads) se_param_partial_kernel(const ParamParams a) {
-  __shared__ float sd1[kParamN][kParamJ], sr[kParamN][kParamJ];
-  const int t = threadIdx.x;
-  const int c = blockIdx.x * kParamThreads + t;
-  const int j0 = blockIdx.y * kParamJ;
-  const int q = blockIdx.z;
-  const int p = a.p, hid = a.hidden;
-  const int n0 = q * a.chunk, n1 = min(a.n, n0 + a.chunk);
-  float acc1[kParamJ], acc2[kParamJ], accb2 = 0.f, accb1 = 0.f;
-#pragma unroll
-  for (int k = 0; k < kParamJ; ++k) acc1[k] = 0.f, acc2[k] = 0.f;
-  static_assert(kParamN * kParamJ == kParamThreads, "one staged value per thread");
-  for (int nb = n0; nb < n1; nb += kParamN) {
-    const int cnt = min(kParamN, n1 - nb);
-    __syncthreads();
-    {
-      const int nn = t / kParamJ, jj = t % kParamJ, j = j0 + jj;
-      const bool ok = nn < cnt && j < hid;
-      sd1[nn][jj] = ok ? __ldg(a.dz1 + int64_t(nb + nn) * hid + j) : 0.f;
-      sr[nn][jj] = ok ? __ldg(a.r + int64_t(nb + nn) * hid + j) : 0.f;
-    }
-    __syncthreads();
-    if (c < p) {
-#pragma unroll 4
-      for (int nn = 0; nn < cnt; ++nn) {
-        const float mc = __ldg(a.m + int64_t(nb + nn) * p + c);
-        const float d2 = __ldg(a.dz2 + int64_t(nb + nn) * p + c);
-        accb2 += d2;
-#pragma unroll
-        for (int k = 0; k < kParamJ; ++k) {
-          acc1[k] = fmaf(sd1[nn][k], mc, acc1[k]);
-          acc2[k] = fmaf(d2, sr[nn][k], acc2[k]);
-        }
-      }
-    }
-    if (blockIdx.x == 0 && t < kParamJ) {
-      for (int nn = 0; nn < cnt; ++nn) accb1 += sd1[nn][t];
-    }
-  }
-  const size_t hp = size_t(hid) * p;
-  float* slab = a.part + size_t(q) * (2 * hp + hid + p);
-  if (c < p) {
-#pragma unroll
-    for (int k = 0; k < kParamJ; ++k) {
-      const int j = j0 + k;
-      if (j < hid) {
-        slab[size_t(j) * p + c] = acc1[k];
-        slab[hp + size_t(j) * p + c] = acc2[k];
-      }
-    }
-    if (blockIdx.y == 0) slab[2 * hp + hid + c] = accb2;
-  }
-  if (blockIdx.x == 0 && t < kParamJ && j0 + t < hid) slab[2 * hp + j0 + t] = accb1;
-}
-
-struct FinalParams {
-  const float* part;  // [q][slab]
-  const float* scal;  // [ctas][3]
-  float *dw1, *db1, *dw2, *db2;
-  float *sum_d_o, *sum_dz, *sum_dy;
-  int p, hidden, q, ctas;
-};
-
-// Sums the q chunk partials of every parameter-gradient element in chunk order; block 0 also sums the per-CTA scalar
-// partials (strided per thread, then a fixed tree).
-__global__ void __launch_bounds__(kFinalThreads) se_finalize_kernel(const FinalParams a) {
-  const size_t hp = size_t(a.hidden) * a.p;
-  const size_t slab = 2 * hp + a.hidden + a.p;
-  for (size_t idx = size_t(blockIdx.x) * kFinalThreads + threadIdx.x; idx < slab;
-       idx += size_t(gridDim.x) * kFinalThreads) {
-    float v = 0.f;
-#pragma unroll 8
-    for (int q = 0; q < a.q; ++q) v += __ldg(a.part + size_t(q) * slab + idx);
-    if (idx < hp) {
-      a.dw1[idx] = v;
-    } else if (idx < 2 * hp) {
-      const size_t k = idx - hp, j = k / a.p, c = k - j * a.p;
-      a.dw2[c * a.hidden + j] = v;
-    } else if (idx < 2 * hp + a.hidden) {
-      a.db1[idx - 2 * hp] = v;
-    } else {
-      a.db2[idx - 2 * hp - a.hidden] = v;
-    }
-  }
-  if (blockIdx.x != 0 || (!a.sum_d_o && !a.sum_dz && !a.sum_dy)) return;
-  __shared__ float red[3][kFinalThreads];
-  float v[3] = {0.f, 0.f, 0.f};
-  for (int i = threadIdx.x; i < a.ctas; i += kFinalThreads) {
-#pragma unroll
-    for (int k = 0; k < 3; ++k) v[k] += __ldg(a.scal + size_t(i) * 3 + k);
-  }
-#pragma unroll
-  for (int k = 0; k < 3; ++k) red[k][threadIdx.x] = v[k];
-  __syncthreads();
-  for (int half = kFinalThreads / 2; half > 0; half >>= 1) {
-    if (int(threadIdx.x) < half) {
-#pragma unroll
-      for (int k = 0; k < 3; ++k) red[k][threadIdx.x] += red[k][threadIdx.x + half];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    if (a.sum_dy) *a.sum_dy = red[0][0];
-    if (a.sum_dz) *a.sum_dz = red[1][0];
-    if (a.sum_d_o) *a.sum_d_o = red[2][0];
-  }
-}
-
-// --- host side: workspace layout, plan, dispatch ---------------------------------------------------------------------
-
-size_t up256(size_t b) { return (b + 255) / 256 * 256; }
-size_t up16(size_t b) { return (b + 15) / 16 * 16; }
-
-struct WsLayout {
-  size_t w1t, w2t, m, dz2, r, dz1, part, scal, total;
-  int q, chunk;
-};
-
-// Depends on n, p, hidden only (the main grid has at most n CTAs).
-WsLayout ws_layout(int n, int p, int hidden) {
-  WsLayout l{};
-  const size_t hp = size_t(hidden) * p;
-  // Parameter-gradient chunks: enough CTAs to fill a GPU (~264 of 256 threads), at least 8 images per chunk.
-  const int64_t tiles = int64_t((p + kParamThreads - 1) / kParamThreads) * ((hidden + kParamJ - 1) / kParamJ);
-  int64_t q = std::clamp<int64_t>((264 + tiles - 1) / tiles, 1, 64);
-  q = std::min<int64_t>(q, (n + 7) / 8);
-  q = std::max<int64_t>(q, 1);
-  l.chunk = int((n + q - 1) / q);
-  l.q = (n + l.chunk - 1) / l.chunk;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    const size_t o = off;
-    off = up256(off + bytes);
-    return o;
-  };
-  l.w1t = take(hp * 4);
-  l.w2t = take(hp * 4);
-  l.m = take(size_t(n) * p * 4);
-  l.dz2 = take(size_t(n) * p * 4);
-  l.r = take(size_t(n) * hidden * 4);
-  l.dz1 = take(size_t(n) * hidden * 4);
-  l.part = take(size_t(l.q) * (2 * hp + hidden + p) * 4);
-  l.scal = take(size_t(n) * 3 * 4);
-  l.total = off;
-  return l;
-}
-
-struct Plan {
-  int g = 1;
-  bool cached = false;
-  int dy_mode = kDyNhwc;
-  int sl_rows = 0, sl_col = 0, prereduce = 0;
-  size_t smem = 0;
-  uint32_t off_stage = 0, off_dyst = 0, off_po = 0, off_pd = 0, off_y = 0, off_r1 = 0, off_d1 = 0, off_red = 0;
-};
-
-// Shared-memory layout of the main kernel for G images per CTA; false if it does not fit.
-//   [dz stage (cached): G hw p T] [region: dy stage (staged modes) | po, pd: [sl_col][rho_p][G] fp32, contract
-//   partials [kThreads][G], r1, d1: [hidden][G], red: [kWarps][3]] (the dy stage is dead before the region's
-//   other uses begin).
-bool plan_main(const SeBackwardArgs& a, int g, bool cached, bool stage_dy, Plan* pl) {
-  const int c8 = a.p / 8;
-  if (int64_t(g) * c8 > kThreads) return false;
-  Plan l;
-  l.g = g;
-  l.cached = cached;
-  l.dy_mode = !a.dy_nchw ? kDyNhwc
-              : stage_dy ? (a.dy_f32 ? kDyStagedF32 : kDyStagedT)
-                         : (a.dy_f32 ? kDyNchwF32 : kDyNchwT);
-  const int s = kThreads / g;
-  l.sl_rows = s / c8;
-  l.prereduce = 32 % (g * c8) == 0;
-  l.sl_col = l.prereduce ? kWarps : l.sl_rows;
-  const size_t rho_p = g > 1 ? size_t(a.p) + a.p / 8 : size_t(a.p);
-  const size_t img_elems = size_t(g) * a.hw * a.p;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    const size_t o = off;
-    off = up16(off + bytes);
-    return o;
-  };
-  l.off_stage = uint32_t(take(cached ? img_elems * 2 : 0));
-  const size_t region = off;
-  l.off_po = uint32_t(take(size_t(l.sl_col) * rho_p * g * 4));
-  l.off_pd = uint32_t(take(size_t(l.sl_col) * rho_p * g * 4));
-  l.off_y = uint32_t(take(size_t(kThreads) * g * 4));
-  l.off_r1 = uint32_t(take(size_t(a.hidden) * g * 4));
-  l.off_d1 = uint32_t(take(size_t(a.hidden) * g * 4));
-  l.off_red = uint32_t(take(size_t(kWarps) * 3 * 4));
-  size_t end = off;
-  if (l.dy_mode == kDyStagedT || l.dy_mode == kDyStagedF32) {
-    l.off_dyst = uint32_t(region);
-    end = std::max(end, region + img_elems * (a.dy_f32 ? 4 : 2));
-  }
-  l.smem = end;
-  if (end > kMaxSmem) return false;
-  *pl = l;
-  return true;
-}
-
-bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
-
-// Everything launch_se_backward rejects, without any CUDA call.
-bool valid_args(const SeBackwardArgs& a, ConvDType dtype) {
-  if (dtype != ConvDType::kF16 && dtype != ConvDType::kBF16) return false;
-  if (!a.y || !a.dy || !a.o || !a.w1 || !a.b1 || !a.w2 || !a.b2 || !a.d_o || !a.dz || !a.dw1 || !a.db1 || !a.dw2 ||
-      !a.db2)
-    return false;
-  if (a.n < 1 || a.hw < 1 || a.hidden < 1 || a.p < 8 || a.p > kMaxP || a.p % 8 != 0) return false;
-  if (a.dz_pitch < a.p || a.dz_pitch % 8 != 0) return false;
-  if (a.dy_f32 && !a.dy_nchw) return false;
-  if (!a.o_scale != !a.o_shift) return false;
-  for (const void* ptr : {a.y, a.dy, a.o, static_cast<const void*>(a.d_o), static_cast<const void*>(a.dz)})
-    if (!aligned(ptr, 16)) return false;
-  for (const void* ptr : {static_cast<const void*>(a.w1), static_cast<const void*>(a.b1),
-                          static_cast<const void*>(a.w2), static_cast<const void*>(a.b2),
-                          static_cast<const void*>(a.dw1), static_cast<const void*>(a.db1),
-                          static_cast<const void*>(a.dw2), static_cast<const void*>(a.db2),
-                          static_cast<const void*>(a.sum_d_o), static_cast<const void*>(a.sum_dz),
-                          static_cast<const void*>(a.sum_dy)})
-    if (!aligned(ptr, 4)) return false;
-  Plan pl;
-  return plan_main(a, 1, false, false, &pl);  // the smallest configuration must fit (bounds hidden)
-}
-
-// SM count of the current device (cached per device; 132 if the query fails).
-int sm_count(int dev) {
-  static std::atomic<int> cache[64];  // 0 = not queried yet
-  int n = 0;
-  if (dev >= 0 && dev < 64 && (n = cache[dev].load(std::memory_order_relaxed)) > 0) return n;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
-    (void)cudaGetLastError();
-    return 132;
-  }
-  if (dev >= 0 && dev < 64) cache[dev].store(n, std::memory_order_relaxed);
-  return n;
-}
-
-// Images per CTA: up to ~kTargetElemsPerCta elements (and G * p / 8 <= kThreads), but no fewer CTAs than SMs.
-// Prefers the dz stage and the dy stage; falls back to fewer images, then to G = 1 without them.
-Plan choose_plan(const SeBackwardArgs& a, int sms) {
-  int gmax = 1;
-  while (gmax < kMaxImagesPerCta && int64_t(2 * gmax) * a.p / 8 <= kThreads &&
-         int64_t(2 * gmax) * a.hw * a.p <= kTargetElemsPerCta && int64_t(2 * gmax) * sms <= a.n)
-    gmax *= 2;
-  Plan pl;
-  for (int g = gmax; g >= 1; g /= 2)
-    if (plan_main(a, g, true, a.dy_nchw, &pl)) return pl;
-  if (plan_main(a, 1, true, false, &pl)) return pl;
-  if (plan_main(a, 1, false, a.dy_nchw, &pl)) return pl;
-  plan_main(a, 1, false, false, &pl);  // fits: checked by valid_args
-  return pl;
-}
-
 template <class T, int G>
 cudaError_t launch_main(const MainParams& mp, const Plan& pl, int dev, cudaStream_t stream) {
   auto kernel = se_backward_main_kernel<T, G>;
@@ -804,54 +487,13 @@ cudaError_t launch_main_typed(const MainParams& mp, const Plan& pl, int dev, cud
 
 }  // namespace
 
+
+using namespace se_backward_detail;
+
 size_t se_backward_workspace_bytes(const SeBackwardArgs& args) {
   const int n = std::max(args.n, 1), p = std::max(args.p, 8), hidden = std::max(args.hidden, 1);
   return ws_layout(n, p, hidden).total;
 }
-
-namespace {
-
-// The main kernel's parameters for these arguments (the same in both phases: the plan depends only on the arguments
-// and the device's SM count).
-MainParams main_params(const SeBackwardArgs& a, const Plan& pl, const WsLayout& wl, unsigned char* ws) {
-  MainParams mp{};
-  mp.y = a.y, mp.y_offset = a.y_offset, mp.dy = a.dy, mp.o = a.o, mp.o_scale = a.o_scale, mp.o_shift = a.o_shift;
-  mp.w1 = a.w1, mp.w1t = reinterpret_cast<float*>(ws + wl.w1t), mp.b1 = a.b1;
-  mp.w2 = a.w2, mp.w2t = reinterpret_cast<float*>(ws + wl.w2t), mp.b2 = a.b2;
-  mp.d_o = a.d_o, mp.dz = a.dz;
-  mp.ws_m = reinterpret_cast<float*>(ws + wl.m);
-  mp.ws_dz2 = reinterpret_cast<float*>(ws + wl.dz2);
-  mp.ws_r = reinterpret_cast<float*>(ws + wl.r);
-  mp.ws_dz1 = reinterpret_cast<float*>(ws + wl.dz1);
-  mp.ws_scal = reinterpret_cast<float*>(ws + wl.scal);
-  mp.n = a.n, mp.hw = a.hw, mp.p = a.p, mp.hidden = a.hidden, mp.dz_pitch = a.dz_pitch;
-  mp.dy_mode = pl.dy_mode;
-  mp.cached = pl.cached;
-  mp.sums = a.sum_d_o || a.sum_dz || a.sum_dy;
-  mp.sl_rows = pl.sl_rows, mp.sl_col = pl.sl_col, mp.prereduce = pl.prereduce;
-  mp.off_stage = pl.off_stage, mp.off_dyst = pl.off_dyst, mp.off_po = pl.off_po, mp.off_pd = pl.off_pd;
-  mp.off_y = pl.off_y, mp.off_r1 = pl.off_r1, mp.off_d1 = pl.off_d1, mp.off_red = pl.off_red;
-  return mp;
-}
-
-// What both phases derive from the arguments: the device, the main kernel's plan and parameters, the workspace
-// layout. Returns cudaErrorInvalidValue for arguments launch_se_backward rejects.
-struct Setup {
-  int dev = 0;
-  Plan pl;
-  WsLayout wl;
-  MainParams mp;
-};
-cudaError_t setup(const SeBackwardArgs& a, ConvDType dtype, void* workspace, Setup* s) {
-  if (!valid_args(a, dtype) || !workspace || !aligned(workspace, 16)) return cudaErrorInvalidValue;
-  if (const cudaError_t err = cudaGetDevice(&s->dev); err != cudaSuccess) return err;
-  s->pl = choose_plan(a, sm_count(s->dev));
-  s->wl = ws_layout(a.n, a.p, a.hidden);
-  s->mp = main_params(a, s->pl, s->wl, static_cast<unsigned char*>(workspace));
-  return cudaSuccess;
-}
-
-}  // namespace
 
 cudaError_t launch_se_backward_data(const SeBackwardArgs& a, ConvDType dtype, void* workspace, cudaStream_t stream) {
   Setup su;
@@ -869,38 +511,6 @@ cudaError_t launch_se_backward_data(const SeBackwardArgs& a, ConvDType dtype, vo
   // 2. the per-image pass
   return dtype == ConvDType::kF16 ? launch_main_typed<__half>(mp, su.pl, su.dev, stream)
                                   : launch_main_typed<__nv_bfloat16>(mp, su.pl, su.dev, stream);
-}
-
-cudaError_t launch_se_backward_params(const SeBackwardArgs& a, ConvDType dtype, void* workspace,
-                                      cudaStream_t stream) {
-  Setup su;
-  cudaError_t err = setup(a, dtype, workspace, &su);
-  if (err != cudaSuccess) return err;
-  const MainParams& mp = su.mp;
-  const WsLayout& wl = su.wl;
-  // 3. parameter-gradient partials over chunks of images
-  ParamParams pp{};
-  pp.m = mp.ws_m, pp.dz2 = mp.ws_dz2, pp.r = mp.ws_r, pp.dz1 = mp.ws_dz1;
-  pp.part = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + wl.part);
-  pp.n = a.n, pp.p = a.p, pp.hidden = a.hidden, pp.chunk = wl.chunk;
-  {
-    const dim3 grid((a.p + kParamThreads - 1) / kParamThreads, (a.hidden + kParamJ - 1) / kParamJ, wl.q);
-    se_param_partial_kernel<<<grid, kParamThreads, 0, stream>>>(pp);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-  // 4. fixed-order sums
-  FinalParams fp{};
-  fp.part = pp.part, fp.scal = mp.ws_scal;
-  fp.dw1 = a.dw1, fp.db1 = a.db1, fp.dw2 = a.dw2, fp.db2 = a.db2;
-  fp.sum_d_o = a.sum_d_o, fp.sum_dz = a.sum_dz, fp.sum_dy = a.sum_dy;
-  fp.p = a.p, fp.hidden = a.hidden, fp.q = wl.q, fp.ctas = (a.n + su.pl.g - 1) / su.pl.g;
-  {
-    const size_t slab = 2 * size_t(a.hidden) * a.p + a.hidden + a.p;
-    const int grid = int(std::min<size_t>((slab + kFinalThreads - 1) / kFinalThreads, 1024));
-    se_finalize_kernel<<<grid, kFinalThreads, 0, stream>>>(fp);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-  return cudaSuccess;
 }
 
 cudaError_t launch_se_backward(const SeBackwardArgs& a, ConvDType dtype, void* workspace, cudaStream_t stream) {
