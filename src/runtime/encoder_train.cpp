@@ -308,14 +308,11 @@ TrainBuffers& train_buffers(EncoderGpu::Impl& m, TrainingState& t, const Geometr
 
 using namespace train_detail;
 
-void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DType dtype, cudaStream_t stream) {
-  Impl& m = *impl_;
-  TrainingState& t = training(m);
-  const ParamDType pd = param_dtype(dtype);
-  KFUSE_CHECK(params.size() == t.grad_offset.size(), InvalidArgument, "set_weights_device: expected ",
-              t.grad_offset.size(), " parameters, got ", params.size());
-  for (size_t i = 0; i < params.size(); ++i)
-    KFUSE_CHECK(params[i] != nullptr, InvalidArgument, "set_weights_device: parameter ", i, " is a null pointer");
+namespace {
+
+// The packing job table for these parameters (parameter_specs order): one job per packed array.
+std::vector<PackJob> pack_job_table(const EncoderGpu::Impl& m, const TrainingState& t,
+                                    const std::vector<const void*>& params, ParamDType pd) {
   auto src = [&](const std::string& name) { return params[param_index(t, name)]; };
   std::vector<PackJob> jobs;
   auto add = [&](const void* s, size_t dst, int64_t count, PackKind kind, int k = 0, int c = 0, int r = 0,
@@ -373,6 +370,20 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
     const char* scalars[5] = {"fixup_bias1a", "fixup_bias1b", "fixup_bias2a", "fixup_scale", "fixup_bias2b"};
     for (int s = 0; s < 5; ++s) add(src(b.prefix + scalars[s]), W.scalars + 4 * s, 1, PackKind::kCopyF32);
   }
+  return jobs;
+}
+
+}  // namespace
+
+void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DType dtype, cudaStream_t stream) {
+  Impl& m = *impl_;
+  TrainingState& t = training(m);
+  const ParamDType pd = param_dtype(dtype);
+  KFUSE_CHECK(params.size() == t.grad_offset.size(), InvalidArgument, "set_weights_device: expected ",
+              t.grad_offset.size(), " parameters, got ", params.size());
+  for (size_t i = 0; i < params.size(); ++i)
+    KFUSE_CHECK(params[i] != nullptr, InvalidArgument, "set_weights_device: parameter ", i, " is a null pointer");
+  std::vector<PackJob> jobs = pack_job_table(m, t, params, pd);
   // The forward's jobs first; the flipped filters (kFlip: the backward's data-gradient convolutions) last.
   const size_t forward_jobs = size_t(
       std::stable_partition(jobs.begin(), jobs.end(), [](const PackJob& j) { return j.kind != PackKind::kFlip; }) -
