@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import _C
-from .benchmark import time_gpu
+from .benchmark import save_results, time_gpu
 from .encoder import format_tuning_table
 from .mlp import FusedMLP
 
@@ -120,15 +120,8 @@ def mlp_impls(model: nn.Sequential, x: torch.Tensor, dy: torch.Tensor, names: li
 
 
 def _write(path: Path, meta: dict, rows: list[dict], title: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[bench] matplotlib missing: no barplot")
+    plt = save_results(path, meta, rows)
+    if plt is None:
         return
     names = [r["impl"] for r in rows]
     fwd = [r["fwd_ms"] for r in rows]

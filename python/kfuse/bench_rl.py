@@ -15,13 +15,13 @@ rollout and of the update, each ended by a device synchronize; frames/s = steps 
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from .benchmark import save_results
 from .rl import PPOTrainer, Policy
 
 RL_ENVS = 128
@@ -75,15 +75,8 @@ def time_iterations(trainer: PPOTrainer, iterations: int, warmup: int) -> dict:
 
 
 def _write(path: Path, meta: dict, rows: list[dict], title: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[bench] matplotlib missing: no barplot")
+    plt = save_results(path, meta, rows)
+    if plt is None:
         return
     rows = [r for r in rows if "fps" in r]
     if not rows:

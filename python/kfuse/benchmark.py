@@ -223,7 +223,9 @@ def resnet_train_impls(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor
 # --------------------------------------------------------------------------------------------------------------
 # results
 
-def write_results(path: Path, meta: dict, rows: list[dict], title: str) -> None:
+def save_results(path: Path, meta: dict, rows: list[dict]):
+    """Writes a workload's JSON (bench-protocol.md's `meta` and `rows`); returns matplotlib's pyplot for its barplot,
+    or None where matplotlib is missing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     try:
@@ -233,6 +235,13 @@ def write_results(path: Path, meta: dict, rows: list[dict], title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("[bench] matplotlib missing: no barplot")
+        return None
+    return plt
+
+
+def write_results(path: Path, meta: dict, rows: list[dict], title: str) -> None:
+    plt = save_results(path, meta, rows)
+    if plt is None:
         return
     names = [r["impl"] for r in rows]
     lat = [r["latency_ms"] for r in rows]
