@@ -4,6 +4,7 @@ master weights, GradScaler and gradient clipping) for the kfuse encoder and for 
 own configuration and under torch.compile, in one process:
 
   kfuse           the policy with kfuse's encoder, eager around it
+  kfuse-compile   the policy with kfuse's encoder (its dispatcher ops), compiled as torch-compile's below
   torch-jit-fp16  bps-nav's configuration: the plain encoder, the compression conv and fc under torch.jit.script
                   (the LSTM is cuDNN's either way), fp16, NCHW, cudnn.benchmark
   torch-compile   the plain-encoder policy under torch.compile: mode="reduce-overhead" for the rollout, the default
@@ -26,17 +27,17 @@ from .rl import PPOTrainer, Policy
 
 RL_ENVS = 128
 RL_STEPS = 32
-IMPLS = ("kfuse", "torch-jit-fp16", "torch-compile")
+IMPLS = ("kfuse", "kfuse-compile", "torch-jit-fp16", "torch-compile")
 
 
 def _trainer(impl: str, device, num_envs: int, steps: int, seed: int, dtype=torch.float16) -> PPOTrainer:
-    encoder = "kfuse" if impl == "kfuse" else "torch"
+    encoder = "kfuse" if impl.startswith("kfuse") else "torch"
     policy = Policy(encoder=encoder, seed=seed).to(device, dtype)
     trainer = PPOTrainer(policy, num_envs=num_envs, steps=steps, seed=seed)
     if impl == "torch-jit-fp16":
         for name in ("encoder", "compress", "fc"):  # (a scripted nn.LSTM is callable only from TorchScript)
             setattr(policy, name, torch.jit.script(getattr(policy, name)))
-    elif impl == "torch-compile":
+    elif impl.endswith("-compile"):
         trainer.act = _cloned_outputs(torch.compile(policy, mode="reduce-overhead"))
         trainer.evaluate = torch.compile(policy)
     return trainer
@@ -72,6 +73,34 @@ def time_iterations(trainer: PPOTrainer, iterations: int, warmup: int) -> dict:
     frames = trainer.steps * trainer.n
     return {"fps": round(frames / ((r + u) / 1e3), 1), "rollout_ms": round(r, 3), "update_ms": round(u, 3),
             "frames_per_iteration": frames, "gpus": 1}
+
+
+def fixed_seed_run(encoder: str, cudnn_benchmark: bool, iterations: int, num_envs: int, steps: int, seed: int,
+                   device="cuda") -> tuple[list[float], torch.Tensor]:
+    """Losses of `iterations` PPO iterations from `seed` (fp16 policy) and the fp32 master weights after them."""
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+    try:
+        policy = Policy(encoder=encoder, seed=seed).to(device, torch.float16)
+        trainer = PPOTrainer(policy, num_envs=num_envs, steps=steps, seed=seed)
+        losses = [trainer.iteration()["loss"] for _ in range(iterations)]
+        return losses, torch.cat([m.detach().flatten() for m in trainer.masters])
+    finally:
+        torch.backends.cudnn.benchmark = previous
+
+
+def agreement(iterations: int, num_envs: int, steps: int, seed: int, device="cuda") -> dict:
+    """kfuse's run against plain PyTorch's, with the noise of two plain runs that differ only in cuDNN's algorithms
+    (benchmark off / on) as the yardstick: per-iteration loss differences relative to max(1, |loss|) and the
+    normwise difference of the weights after the run."""
+    (la, wa), (lb, wb), (lk, wk) = (fixed_seed_run(e, b, iterations, num_envs, steps, seed, device)
+                                    for e, b in (("torch", False), ("torch", True), ("kfuse", False)))
+    rel = lambda x, y: abs(x - y) / max(1.0, abs(y))
+    start = torch.cat([p.detach().float().flatten() for p in Policy(encoder="torch", seed=seed).parameters()])
+    return {"loss_torch": la, "loss_kfuse": lk,
+            "loss_noise": [rel(b, a) for a, b in zip(la, lb)], "loss_diff": [rel(k, a) for a, k in zip(la, lk)],
+            "weight_noise": ((wb - wa).norm() / wa.norm()).item(), "weight_diff": ((wk - wa).norm() / wa.norm()).item(),
+            "weight_moved": ((wa.cpu() - start).norm() / start.norm()).item()}
 
 
 def _write(path: Path, meta: dict, rows: list[dict], title: str) -> None:

@@ -38,8 +38,8 @@ class PdlScope {
   bool previous_;
 };
 
-// Whether `device` can launch with the attribute (compute capability 9.0 or higher) and the environment does not
-// turn it off (KFUSE_PDL=0: the benchmark's A/B switch, and a way out should a driver mishandle it).
+// Whether `device` can launch with the attribute (compute capability 9.0 or higher). Whether a launch uses it is the
+// caller's option (EncoderOptions::programmatic_launch).
 bool pdl_supported(int device);
 
 #if defined(__CUDACC__)
