@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .benchmark import save_results
-from .rl import PPOTrainer, Policy
+from .rl import Actor, PPOTrainer, Policy
 
 RL_ENVS = 128
 RL_STEPS = 32
@@ -38,7 +38,10 @@ def _trainer(impl: str, device, num_envs: int, steps: int, seed: int, dtype=torc
         for name in ("encoder", "compress", "fc"):  # (a scripted nn.LSTM is callable only from TorchScript)
             setattr(policy, name, torch.jit.script(getattr(policy, name)))
     elif impl.endswith("-compile"):
-        trainer.act = _cloned_outputs(torch.compile(policy, mode="reduce-overhead"))
+        # Dynamo traces the rollout step's one-step LSTM into the graph only with its (experimental) RNN support;
+        # without it every step breaks the graph in two around an eager LSTM. The update's packed LSTM stays eager.
+        torch._dynamo.config.allow_rnn = True
+        trainer.act = _cloned_outputs(torch.compile(Actor(policy), mode="reduce-overhead"))
         trainer.evaluate = torch.compile(policy)
     return trainer
 
@@ -47,8 +50,8 @@ def _cloned_outputs(fn):
     """A reduce-overhead function's outputs live in its CUDA graph's memory, rewritten by the next replay: cloned."""
     def act(*args):
         torch.compiler.cudagraph_mark_step_begin()
-        logits, value, (h, c) = fn(*args)
-        return logits.clone(), value.clone(), (h.clone(), c.clone())
+        action, logprob, value, (h, c) = fn(*args)
+        return action.clone(), logprob.clone(), value.clone(), (h.clone(), c.clone())
 
     return act
 
@@ -75,13 +78,18 @@ def time_iterations(trainer: PPOTrainer, iterations: int, warmup: int) -> dict:
             "frames_per_iteration": frames, "gpus": 1}
 
 
-def fixed_seed_run(encoder: str, cudnn_benchmark: bool, iterations: int, num_envs: int, steps: int, seed: int,
+def fixed_seed_run(encoder: str, other_algorithms: bool, iterations: int, num_envs: int, steps: int, seed: int,
                    device="cuda") -> tuple[list[float], torch.Tensor]:
-    """Losses of `iterations` PPO iterations from `seed` (fp16 policy) and the fp32 master weights after them."""
+    """Losses of `iterations` PPO iterations from `seed` (fp16 policy) and the fp32 master weights after them.
+    other_algorithms: the plain encoder's convolutions in channels-last layout with cudnn.benchmark on, so that cuDNN
+    runs other kernels (other summation orders) than the NCHW run with its heuristics' choice."""
     previous = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = cudnn_benchmark
+    torch.backends.cudnn.benchmark = other_algorithms
     try:
         policy = Policy(encoder=encoder, seed=seed).to(device, torch.float16)
+        if other_algorithms:
+            for name in ("encoder", "compress"):
+                getattr(policy, name).to(memory_format=torch.channels_last)
         trainer = PPOTrainer(policy, num_envs=num_envs, steps=steps, seed=seed)
         losses = [trainer.iteration()["loss"] for _ in range(iterations)]
         return losses, torch.cat([m.detach().flatten() for m in trainer.masters])
@@ -91,11 +99,11 @@ def fixed_seed_run(encoder: str, cudnn_benchmark: bool, iterations: int, num_env
 
 def agreement(iterations: int, num_envs: int, steps: int, seed: int, device="cuda") -> dict:
     """kfuse's run against plain PyTorch's, with the noise of two plain runs that differ only in cuDNN's algorithms
-    (benchmark off / on) as the yardstick: per-iteration loss differences relative to max(1, |loss|) and the
-    normwise difference of the weights after the run."""
-    (la, wa), (lb, wb), (lk, wk) = (fixed_seed_run(e, b, iterations, num_envs, steps, seed, device)
-                                    for e, b in (("torch", False), ("torch", True), ("kfuse", False)))
-    rel = lambda x, y: abs(x - y) / max(1.0, abs(y))
+    (NCHW with cuDNN's heuristics; channels-last with cudnn.benchmark) as the yardstick: per-iteration loss
+    differences relative to max(1, |loss|) and the normwise difference of the weights after the run."""
+    (la, wa), (lb, wb), (lk, wk) = (fixed_seed_run(e, other, iterations, num_envs, steps, seed, device)
+                                    for e, other in (("torch", False), ("torch", True), ("kfuse", False)))
+    rel = lambda x, y: abs(x - y) / max(1.0, abs(y))  # noqa: E731
     start = torch.cat([p.detach().float().flatten() for p in Policy(encoder="torch", seed=seed).parameters()])
     return {"loss_torch": la, "loss_kfuse": lk,
             "loss_noise": [rel(b, a) for a, b in zip(la, lb)], "loss_diff": [rel(k, a) for a, k in zip(la, lk)],
@@ -155,7 +163,7 @@ def run_rl(args, meta_dev: dict, out_dir: Path) -> list:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     meta = dict(meta_dev, workload="rl", channels=3, num_envs=envs, steps=RL_STEPS, minibatches=2,
-                input="uint8 RGBA 64x64, fp16 policy")
+                input="uint8 RGBA 64x64, fp16 policy", dynamo_allow_rnn=torch._dynamo.config.allow_rnn)
     path = out_dir / "rl-c3.json"
     _write(path, meta, rows, "rl: one DD-PPO iteration (32 x 128 frames, 2 minibatches)")
     return [(f"rl ({path})", rows)]

@@ -20,7 +20,7 @@ from torch import nn
 from . import reference
 from .encoder import ResNetEncoder
 
-__all__ = ["Policy", "SyntheticEnvs", "RolloutStorage", "PPOTrainer", "PPOConfig", "compute_gae"]
+__all__ = ["Policy", "SyntheticEnvs", "RolloutStorage", "PPOTrainer", "PPOConfig", "compute_gae", "masked_lstm", "Actor", "ppo_terms"]
 
 NUM_ACTIONS = 4
 HIDDEN = 512
@@ -80,7 +80,9 @@ class Policy(nn.Module):
     def _frames(self, frames: torch.Tensor) -> torch.Tensor:
         """uint8 RGBA (N, H, W, 4) -> the encoder's output, normalized by the running statistics."""
         mean, var = self.obs_norm.mean, self.obs_norm.var
-        if self.kind == "kfuse":
+        if self.kind == "kfuse" and not torch.compiler.is_compiling():
+            # (Under torch.compile the statistics stay device tensors of the graph, normalized by the ops below: a
+            # fold set from host copies would put them in the graph as constants, recompiled at every update.)
             if getattr(self, "_norm_version", None) != self.obs_norm.version:
                 # folded into the stem's read on the GPU (exact); set again after each update of the statistics
                 self.encoder.set_input_normalization(mean.detach().cpu(), var.detach().cpu())
@@ -99,20 +101,98 @@ class Policy(nn.Module):
         f = self.fc(self.compress(self._frames(frames)))
         dtype = f.dtype
         z = torch.cat([f, self.goal(goal.to(dtype)), self.prev_action(prev_action)], 1)
-        steps = z.shape[0] // n
-        h, c = hidden
-        outs = []
-        for t in range(steps):  # masked resets: the state is zeroed where an episode starts
-            m = masks[t * n:(t + 1) * n].to(dtype).view(1, n, 1)
-            o, (h, c) = self.rnn(z[t * n:(t + 1) * n].unsqueeze(0), (h * m, c * m))
-            outs.append(o.squeeze(0))
-        o = torch.cat(outs, 0)
-        return self.actor(o).float(), self.critic(o).float().squeeze(1), (h, c)
+        o, hidden = masked_lstm(self.rnn, z, hidden, masks, n)
+        return self.actor(o).float(), self.critic(o).float().squeeze(1), hidden
 
     def initial_hidden(self, n: int, device=None, dtype=None):
         p = self.actor.weight
         z = torch.zeros(2, n, HIDDEN, device=device or p.device, dtype=dtype or p.dtype)
         return z, z.clone()
+
+
+def masked_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: int):
+    """The LSTM over T steps of n environments (z: (T*n, F), time-major) whose state is reset where masks is 0.
+    One step (the rollout's): the state times the mask, then the LSTM. Several (the update's): in one call, each
+    episode piece (an environment's steps from a reset, or from the rollout's start, to the next reset) its own
+    sequence of a PackedSequence, starting from the stored state (first pieces, times the mask) or from zeros: equal
+    to stepping the LSTM T times, one cuDNN call instead of T, forward and backward. Returns the outputs (T*n, H)
+    and the state after the last step."""
+    h0, c0 = hidden
+    if z.shape[0] == n:
+        m = masks.to(z.dtype).view(1, n, 1)
+        o, hidden = rnn(z.unsqueeze(0), (h0 * m, c0 * m))
+        return o.squeeze(0), hidden
+    return _packed_lstm(rnn, z, hidden, masks, n)
+
+
+@torch.compiler.disable  # host index math on the masks, and a PackedSequence: eager
+def _packed_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: int):
+    h0, c0 = hidden
+    steps = z.shape[0] // n
+    seq = episode_pieces(masks.detach().view(steps, n).cpu())
+    dev = z.device
+    padded = z[seq["gather"].to(dev)]  # (L, S, F); padding rows read row 0 and are never used
+    packed = nn.utils.rnn.pack_padded_sequence(padded, seq["lengths"], enforce_sorted=False)
+    env = seq["env"].to(dev)
+    keep = (masks.view(steps, n)[0].to(z.dtype)[env] * seq["first"].to(dev, z.dtype)).view(1, -1, 1)
+    out, (h, c) = rnn(packed, (h0[:, env] * keep, c0[:, env] * keep))
+    out, _ = nn.utils.rnn.pad_packed_sequence(out, total_length=padded.shape[0])
+    o = out[seq["row"].to(dev), seq["col"].to(dev)]  # back to time-major (T*n, H)
+    last = seq["last"].to(dev)
+    return o, (h[:, last], c[:, last])
+
+
+def episode_pieces(masks: torch.Tensor) -> dict:
+    """The pieces of masked_lstm from masks (T, n) on the CPU: for each piece its environment, whether it starts the
+    rollout (`first`) and its length; `gather` (L, S) the time-major row of each piece's steps (0 past its end);
+    `row`, `col` where each time-major row sits in the padded output; `last` each environment's last piece."""
+    steps, n = masks.shape
+    starts = masks == 0
+    starts[0] = True
+    env_major = starts.t().reshape(-1)  # (n*T): piece starts, environment by environment
+    piece = env_major.long().cumsum(0) - 1  # the piece of each (environment, step)
+    count = int(piece[-1]) + 1
+    t = torch.arange(steps).repeat(n)
+    i = torch.arange(n).repeat_interleave(steps)
+    start_t = torch.zeros(count, dtype=torch.long).scatter_(0, piece[env_major], t[env_major])
+    k = t - start_t[piece]  # position inside the piece
+    lengths = torch.bincount(piece, minlength=count)
+    gather = torch.zeros(steps, count, dtype=torch.long)
+    gather[k, piece] = t * n + i
+    row = torch.empty(steps * n, dtype=torch.long)
+    col = torch.empty(steps * n, dtype=torch.long)
+    row[t * n + i], col[t * n + i] = k, piece
+    env = torch.zeros(count, dtype=torch.long).scatter_(0, piece, i)
+    last = torch.zeros(n, dtype=torch.long).scatter_reduce_(0, i, piece, "amax", include_self=False)
+    return {"gather": gather[: int(lengths.max())], "lengths": lengths, "env": env, "first": start_t == 0,
+            "row": row, "col": col, "last": last}
+
+
+class Actor(nn.Module):
+    """One rollout step: the policy on the new observations, then an action drawn from its logits by inverting the
+    cumulative distribution at `u` (uniform numbers in [0, 1), drawn by the caller from the rollout's generator, so
+    that the step holds no generator and compiles and captures whole). Returns the action, its log-probability, the
+    value, the new recurrent state and the next step's previous action (NUM_ACTIONS where the episode ended)."""
+
+    def __init__(self, policy: Policy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, frames, goal, prev_action, hidden, mask, u):
+        logits, value, hidden = self.policy(frames, goal, prev_action, hidden, mask)
+        logp = logits.log_softmax(-1)
+        cdf = logp.exp().cumsum(-1)
+        action = (cdf < u.unsqueeze(1) * cdf[:, -1:]).sum(-1).clamp_max(logits.shape[1] - 1)
+        logprob = logp.gather(1, action.unsqueeze(1)).squeeze(1)
+        return action, logprob, value, hidden
+
+
+def ppo_terms(logits, actions, old_logprobs):
+    """The ratio of new to old action probabilities and the entropy of the new distribution, per sample."""
+    logp = logits.log_softmax(-1)
+    ratio = torch.exp(logp.gather(1, actions.unsqueeze(1)).squeeze(1) - old_logprobs)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return ratio, entropy
 
 
 class SyntheticEnvs:
@@ -169,14 +249,16 @@ class RolloutStorage:
 
 def compute_gae(rewards, values, masks, gamma: float, tau: float) -> torch.Tensor:
     """Returns by generalized advantage estimation: rewards (T, N), values (T+1, N), masks (T+1, N), masks[t+1] = 0
-    where the episode ended at step t."""
-    returns = torch.zeros_like(rewards)
-    gae = torch.zeros_like(rewards[0])
-    for t in reversed(range(rewards.shape[0])):
-        delta = rewards[t] + gamma * values[t + 1] * masks[t + 1] - values[t]
-        gae = delta + gamma * tau * masks[t + 1] * gae
-        returns[t] = gae + values[t]
-    return returns
+    where the episode ended at step t. The recurrence gae_t = delta_t + gamma tau masks[t+1] gae_{t+1} unrolled:
+    gae_t = sum over u >= t of delta_u times the product of gamma tau masks[v] for t < v <= u, all T at once (a
+    T x T x N product table; a handful of launches instead of a dozen per step)."""
+    steps = rewards.shape[0]
+    delta = rewards + gamma * values[1:] * masks[1:] - values[:-1]
+    upper = torch.ones(steps, steps, device=rewards.device, dtype=torch.bool).triu()  # upper[t, u]: u >= t
+    later = upper.triu(1).unsqueeze(-1)  # u > t
+    table = torch.where(later, (gamma * tau * masks[:steps]).unsqueeze(0), 1.0)  # gamma tau masks[u] where u > t
+    weight = table.cumprod(1) * upper.unsqueeze(-1)
+    return (weight * delta.unsqueeze(0)).sum(1) + values[:-1]
 
 
 class PPOTrainer:
@@ -184,9 +266,9 @@ class PPOTrainer:
     lr scaled by the batch as in bps-nav) and copies them back into the policy's parameters with `p.data.copy_` (no
     version bump: the write kfuse must follow); fp16 policies use a GradScaler.
 
-    `act` and `evaluate` are what the rollout and the update call in place of the policy (default: the policy
-    itself; for the update, its DistributedDataParallel wrapper where a process group is up), e.g. differently
-    compiled versions of it; they must compute with the policy's parameters."""
+    `act` and `evaluate` are what the rollout and the update call (default: `Actor(policy)`, one rollout step; the
+    policy itself, or its DistributedDataParallel wrapper where a process group is up), e.g. differently compiled
+    versions of them; they must compute with the policy's parameters."""
 
     def __init__(self, policy: Policy, num_envs: int = 128, steps: int = 32, config: PPOConfig | None = None,
                  seed: int = 0, distributed: bool | None = None):
@@ -208,6 +290,7 @@ class PPOTrainer:
         self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 1 + 1000 * self.rank)
         self.params = [q for q in policy.parameters() if q.requires_grad]
         self.masters = [q.detach().float().clone().requires_grad_() for q in self.params]
+        self.master_grads = [torch.empty_like(m) for m in self.masters]
         lr = self.cfg.lr * math.sqrt(num_envs * steps / 4096)  # scaled by the batch
         self.optimizer = torch.optim.Adam(self.masters, lr=lr, eps=self.cfg.eps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
@@ -215,7 +298,7 @@ class PPOTrainer:
         self.hidden = policy.initial_hidden(num_envs)
         self.prev_action = torch.full((num_envs,), NUM_ACTIONS, dtype=torch.long, device=self.device)
         self.frames, self.goal = self.envs.observe()
-        self.act = policy
+        self.act = Actor(policy)
         self.evaluate = self.ddp if self.ddp is not None else policy
 
     @torch.no_grad()
@@ -226,15 +309,16 @@ class PPOTrainer:
         s.masks[0] = s.masks[-1]
         for t in range(self.steps):
             s.frames[t], s.goals[t], s.prev_actions[t] = self.frames, self.goal, self.prev_action
-            logits, value, self.hidden = self.act(self.frames, self.goal, self.prev_action, self.hidden, s.masks[t])
-            dist = torch.distributions.Categorical(logits=logits)
-            action = torch.multinomial(dist.probs, 1, generator=self.sample_gen).squeeze(1)
-            s.actions[t], s.logprobs[t], s.values[t] = action, dist.log_prob(action), value
+            u = torch.rand(self.n, generator=self.sample_gen, device=self.device)
+            action, logprob, value, self.hidden = self.act(self.frames, self.goal, self.prev_action, self.hidden,
+                                                           s.masks[t], u)
+            s.actions[t], s.logprobs[t], s.values[t] = action, logprob, value
             reward, mask = self.envs.step(action)
             s.rewards[t], s.masks[t + 1] = reward, mask
-            self.prev_action = torch.where(mask > 0, action, torch.full_like(action, NUM_ACTIONS))
+            self.prev_action = action.masked_fill(mask == 0, NUM_ACTIONS)
             self.frames, self.goal = self.envs.observe()
-        _, s.values[-1], _ = self.act(self.frames, self.goal, self.prev_action, self.hidden, s.masks[-1])
+        u = torch.zeros(self.n, device=self.device)
+        s.values[-1] = self.act(self.frames, self.goal, self.prev_action, self.hidden, s.masks[-1], u)[2]
         pol.obs_norm.update(s.frames)
 
     def update(self) -> dict:
@@ -252,12 +336,11 @@ class PPOTrainer:
                 hidden = (s.hidden0[0][:, mb], s.hidden0[1][:, mb])
                 logits, values, _ = self.evaluate(flat(s.frames), flat(s.goals), flat(s.prev_actions), hidden,
                                                   flat(s.masks[:-1]))
-                dist = torch.distributions.Categorical(logits=logits)
-                ratio = torch.exp(dist.log_prob(flat(s.actions)) - flat(s.logprobs))
+                ratio, entropy = ppo_terms(logits, flat(s.actions), flat(s.logprobs))
                 a = flat(adv)
                 surrogate = torch.min(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a).mean()
                 value_loss = 0.5 * (flat(returns) - values).square().mean()
-                entropy = dist.entropy().mean()
+                entropy = entropy.mean()
                 loss = -surrogate + cfg.value_coef * value_loss - cfg.entropy_coef * entropy
                 self._step(loss)
                 stats.append(torch.stack([loss.detach(), surrogate.detach(), value_loss.detach(), entropy.detach()]))
@@ -267,15 +350,21 @@ class PPOTrainer:
         for p in self.params:
             p.grad = None
         self.scaler.scale(loss).backward()
-        for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
+        grads = [p.grad for p in self.params]
+        if all(g is not None for g in grads):
+            torch._foreach_copy_(self.master_grads, grads)  # fp16 -> fp32, multi-tensor launches
+        else:
+            for g, buf in zip(grads, self.master_grads):
+                if g is not None:
+                    buf.copy_(g)
+        for m, g, buf in zip(self.masters, grads, self.master_grads):
+            m.grad = None if g is None else buf
         self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                p.data.copy_(m)  # as bps-nav does: no version bump
+        with torch.no_grad():  # as bps-nav does, p.data.copy_(master) for each p: no version bump
+            torch._foreach_copy_([p.data for p in self.params], self.masters)
 
     def iteration(self) -> dict:
         self.rollout()

@@ -1,8 +1,9 @@
 """GPU tier: the DD-PPO loop (kfuse.rl) trains alike with kfuse's encoder and with plain PyTorch's, both fp16 on CUDA
 (skipped without a CUDA GPU).
 
-Tolerance, from the data: two plain-PyTorch runs that differ only in cuDNN's algorithms (cudnn.benchmark on / off)
-give the fp16 noise of this loop (rounding in other orders, and the sampled actions that a logit moved by that
+Tolerance, from the data: two plain-PyTorch runs that differ only in cuDNN's algorithms (NCHW with the heuristics'
+choice; channels-last with cudnn.benchmark: cudnn.benchmark alone picked the very same kernels on an H200) give the
+fp16 noise of this loop (rounding in other orders, and the sampled actions that a logit moved by that
 rounding flips). kfuse's run must stay within 3x that noise of the first plain run, losses per iteration and
 weights after the run, with a floor of 1e-3 relative for losses (two fp16 roundings of an O(1) value: 2 x 2^-11) and
 1e-3 for the weights (the Adam steps of a few iterations, each ~lr = 5e-4 per element, rounded to fp16)."""

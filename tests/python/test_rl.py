@@ -65,3 +65,72 @@ def test_bench_rl_configurations_run_and_agree(impl):
         assert abs(got[key] - want[key]) <= 1e-4 * max(1.0, abs(want[key])), key
     r = bench_rl.time_iterations(trainer, iterations=1, warmup=0)
     assert r["fps"] > 0 and r["frames_per_iteration"] == 4 and r["gpus"] == 1
+
+
+def _stepped_lstm(rnn, z, hidden, masks, n):
+    """The definition masked_lstm must equal: one LSTM step per time step, the state times the mask before it."""
+    h, c = hidden
+    outs = []
+    for t in range(z.shape[0] // n):
+        m = masks[t * n:(t + 1) * n].to(z.dtype).view(1, n, 1)
+        o, (h, c) = rnn(z[t * n:(t + 1) * n].unsqueeze(0), (h * m, c * m))
+        outs.append(o.squeeze(0))
+    return torch.cat(outs, 0), (h, c)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 7])
+def test_masked_lstm_over_episode_pieces_equals_stepping_it(steps):
+    """One packed call over the episode pieces against T masked steps (float64): outputs, the final state and the
+    gradients of the inputs, the initial state and every LSTM weight. The masks hold resets at the first step, an
+    environment that never resets, one that resets at every step and random ones."""
+    torch.manual_seed(steps)
+    n, feat, hid = 5, 6, 4
+    rnn = torch.nn.LSTM(feat, hid, num_layers=2).double()
+    masks = (torch.rand(steps, n) > 0.35).double()
+    masks[:, 0], masks[:, 1] = 1, 0
+    masks[0, 2] = 0
+    masks = masks.reshape(-1)
+    z = torch.randn(steps * n, feat, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, n, hid, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(2, n, hid, dtype=torch.float64, requires_grad=True)
+    results = []
+    for fn in (rl.masked_lstm, _stepped_lstm):
+        o, (h, c) = fn(rnn, z, (h0, c0), masks, n)
+        w = torch.randn_like(o, generator=torch.Generator().manual_seed(1))
+        loss = (o * w).sum() + (h * 0.5).sum() + (c * 0.25).sum()
+        grads = torch.autograd.grad(loss, [z, h0, c0, *rnn.parameters()])
+        results.append((o, h, c, *grads))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_episode_pieces_of_a_small_case():
+    masks = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # (T=3, n=2): env 0 resets at t=1, env 1 at t=0
+    p = rl.episode_pieces(masks)
+    assert p["env"].tolist() == [0, 0, 1] and p["lengths"].tolist() == [1, 2, 3]
+    assert p["first"].tolist() == [True, False, True] and p["last"].tolist() == [1, 2]
+
+
+def test_actor_samples_actions_with_the_policys_probabilities():
+    """The rollout step's sampling (the cumulative distribution inverted at uniform numbers): frequencies over 200,000
+    draws within 5 standard deviations of the softmax probabilities, log-probabilities those of Categorical, and the
+    PPO terms (ratio, entropy) those of torch.distributions.Categorical."""
+    n, gen = 200_000, torch.Generator().manual_seed(0)
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]]).expand(n, 4).contiguous()
+
+    class Fixed(torch.nn.Module):
+        def forward(self, frames, goal, prev_action, hidden, mask):
+            return logits, torch.zeros(n), hidden
+
+    actor = rl.Actor(rl.Policy(encoder="torch"))
+    actor.policy = Fixed()
+    action, logprob, _, _ = actor(None, None, None, None, None, torch.rand(n, generator=gen))
+    p = logits[0].softmax(0)
+    freq = torch.bincount(action, minlength=4).double() / n
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt()).all(), (freq, p)
+    dist = torch.distributions.Categorical(logits=logits)
+    torch.testing.assert_close(logprob, dist.log_prob(action))
+    old = logprob - 0.1 * torch.rand(n, generator=gen)
+    ratio, entropy = rl.ppo_terms(logits, action, old)
+    torch.testing.assert_close(ratio, torch.exp(dist.log_prob(action) - old))
+    torch.testing.assert_close(entropy, dist.entropy())
