@@ -1,5 +1,6 @@
-"""What calling the encoder through the dispatcher's op (torch.ops.kfuse.encoder_forward, what torch.compile and
-torch.export trace) costs against the module's direct path, same process. Runs on the GPU machine:
+"""What calling the encoder through the dispatcher's ops (what torch.compile and torch.export trace: encoder_infer
+where no gradient is needed, encoder_forward with its autograd formula for training) costs against the module's
+direct path, same process. Runs on the GPU machine:
     bash scripts/gpu_run.sh --exec "python3 scripts/op_overhead.py"
   latency_us        host + device time of one call with an idle GPU (synchronize before and after), median of 300
   b2b_us            GPU time per call of 200 calls back to back with the host ahead, median of 5 rounds
@@ -46,7 +47,8 @@ def main():
     x = torch.rand(128, 3, 64, 64, device="cuda").half()
     rows = {}
     with torch.no_grad():
-        calls = {"module": lambda: enc(x), "op": lambda: torch.ops.kfuse.encoder_forward(x, params, *CFG, False)}
+        calls = {"module": lambda: enc(x), "op": lambda: torch.ops.kfuse.encoder_infer(x, params, *CFG),
+                 "op_fwd": lambda: torch.ops.kfuse.encoder_forward(x, params, *CFG, False)}
         for name, fn in calls.items():
             rows[name] = {"latency_us": latency_us(fn),
                           "b2b_us": statistics.median(gpu_us(fn, 200) for _ in range(5))}
@@ -54,6 +56,7 @@ def main():
     dy = torch.randn(2048, 512, 2, 2, device="cuda").half()
     steps = {"module": lambda: enc(xt).backward(dy),
              "op": lambda: torch.ops.kfuse.encoder_forward(xt, params, *CFG, True).backward(dy)}
+    rows["op_fwd"]["train_step_us"] = float("nan")
     for name, fn in steps.items():
         for _ in range(3):
             fn()

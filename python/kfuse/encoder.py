@@ -242,8 +242,9 @@ class ResNetEncoder(reference.ResNetEncoder):
             # only; uint8 input normalized by traced PyTorch ops. The training forward keeps the backward's stash.
             params = list(self.parameters())
             x = self._cpu_input(x, params[0].dtype)
-            training = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
-            return torch.ops.kfuse.encoder_forward(x, params, *self._op_config(), training)
+            if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+                return torch.ops.kfuse.encoder_forward(x, params, *self._op_config(), True)
+            return torch.ops.kfuse.encoder_infer(x, params, *self._op_config())
         if x.device.type == "cuda":
             return self._forward_cuda(x)
         self._check_input(x)

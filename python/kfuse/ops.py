@@ -2,6 +2,7 @@
 see them as ordinary ops: pure functions of their tensors (the parameters are arguments; no hidden state decides which
 weights are used), with fake (meta) implementations for tracing and autograd formulas.
 
+    torch.ops.kfuse.encoder_infer(x, params, in_channels, base_planes, layers) -> y       (not differentiable)
     torch.ops.kfuse.encoder_forward(x, params, in_channels, base_planes, layers, training) -> y
     torch.ops.kfuse.encoder_backward(x, params, grad_output, in_channels, base_planes, layers, input_grad,
                                      output=None) -> [grad of every parameter..., grad_x if input_grad]
@@ -12,6 +13,8 @@ one per (configuration, device, precision) shared by every caller, bound to the 
 check its bytes at every call: no write can leave them stale); float16 and float32 parameters compute in float16,
 bfloat16 ones in bfloat16. training=True runs the training forward, which keeps what the backward needs inside the
 engine; encoder_backward given that forward's `output` uses it, and recomputes it where another forward replaced it.
+encoder_infer is the inference forward with the least host work (what the modules call where no gradient is needed):
+an op with no autograd formula, which refuses inputs that require a gradient.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import Tensor
 from . import _C
 
 _NO_AFFINE = ([], [])
+_DATA_PTR = Tensor.data_ptr
 _PRECISION_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _ENGINES: dict = {}  # (config, device index, precision) -> engine entry (kfuse.encoder.ResNetEncoder._gpu_engine's)
 _SPECS: dict = {}  # (engine id, input kind) -> the engine's prepared call
@@ -33,11 +37,16 @@ _MAX_STASHES = 64  # forwards whose backward never came: the oldest are dropped 
 
 @atexit.register
 def _release_engines() -> None:  # before the interpreter tears the extension down
+    _FAST.clear()
     _STASHES.clear()
     _SPECS.clear()
     _ENGINES.clear()
 
-__all__ = ["encoder_forward", "encoder_backward", "encoder_output_shape", "mlp_forward", "mlp_backward"]
+__all__ = ["encoder_infer", "encoder_forward", "encoder_backward", "encoder_output_shape", "mlp_forward", "mlp_backward"]
+
+
+def encoder_infer(x: Tensor, params: list[Tensor], in_channels: int, base_planes: int, layers: list[int]) -> Tensor:
+    return torch.ops.kfuse.encoder_infer(x, params, in_channels, base_planes, layers)
 
 
 def encoder_output_shape(x_shape, base_planes: int) -> list[int]:
@@ -65,6 +74,63 @@ def encoder_forward(x: Tensor, params: list[Tensor], in_channels: int, base_plan
 def _encoder_forward_fake(x, params, in_channels, base_planes, layers, training):
     torch._check(x.dim() == 4, lambda: f"kfuse::encoder_forward expects an (N, C, H, W) input, got {x.dim()} dims")
     return x.new_empty(encoder_output_shape(x.shape, base_planes), dtype=params[0].dtype)
+
+
+# The inference op is registered with torch.library.Library rather than custom_op: custom_op's Python layers
+# (autograd wrapper, aliasing checks) cost ~12 us per call with 60 tensor arguments; an autograd fallthrough costs
+# nothing, and the kernels refuse what would need a gradient.
+_LIB = torch.library.Library("kfuse", "FRAGMENT")
+_LIB.define("encoder_infer(Tensor x, Tensor[] params, int in_channels, int base_planes, int[] layers) -> Tensor")
+_LIB.impl("encoder_infer", torch.library.fallthrough_kernel, "Autograd")
+_FAST: dict = {}  # (input kind, configuration) -> a prepared inference call (_encoder_infer_cuda)
+
+
+def _refuse_gradients(x: Tensor, params: list[Tensor]) -> None:
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        raise RuntimeError("kfuse::encoder_infer is not differentiable, and an input or parameter requires a gradient: "
+                           "call kfuse::encoder_forward (training=True), or run under torch.no_grad()")
+
+
+def _encoder_infer_cpu(x, params, in_channels, base_planes, layers):
+    _refuse_gradients(x, params)
+    with torch.no_grad():
+        return encoder_forward(x, params, in_channels, base_planes, layers, False)
+
+
+def _encoder_infer_cuda(x, params, in_channels, base_planes, layers):
+    # As the module's hot path: a call like the previous one launches first and checks afterwards (while the GPU
+    # runs) that the parameters are the tensors the engine is bound to; otherwise the call is redone on the full
+    # path, after the engine rebound (the first launch's output is dropped; stream order makes that safe).
+    key = (x.shape, x.stride(), x.dtype, x.device, in_channels, base_planes, *layers)
+    fast = _FAST.get(key)
+    if fast is not None:
+        gpu, spec, out_shape, out_dtype, index, entry, stamp = fast
+        y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+        gpu.run(spec, x.data_ptr(), y.data_ptr(), torch._C._cuda_getCurrentRawStream(index))
+        if entry[1] is stamp and params[0].dtype == out_dtype and stamp == list(map(_DATA_PTR, params)):
+            _refuse_gradients(x, params)
+            return y
+    _refuse_gradients(x, params)
+    config = _config(in_channels, base_planes, layers)
+    entry, _ = _cuda_engine(x, params, config)
+    gpu, spec, y = _cuda_call(entry, x, params, config)
+    gpu.run(spec, x.data_ptr(), y.data_ptr(), _stream(x))
+    # uint8 input also depends on the engine's input affine, and non-contiguous parameters are staged before each
+    # launch: those stay on the full path.
+    if x.dtype != torch.uint8 and not entry[4]:
+        if len(_FAST) >= 64:
+            _FAST.pop(next(iter(_FAST)))
+        _FAST[key] = (gpu, spec, y.shape, y.dtype, x.device.index or 0, entry, entry[1])
+    return y
+
+
+_LIB.impl("encoder_infer", _encoder_infer_cpu, "CPU")
+_LIB.impl("encoder_infer", _encoder_infer_cuda, "CUDA")
+
+
+@torch.library.register_fake("kfuse::encoder_infer")
+def _encoder_infer_fake(x, params, in_channels, base_planes, layers):
+    return _encoder_forward_fake(x, params, in_channels, base_planes, layers, False)
 
 
 def _cuda_engine(x: Tensor, params: list[Tensor], config):
@@ -99,8 +165,9 @@ def _cuda_call(entry, x: Tensor, params: list[Tensor], config):
 
 
 def _split_gradients(flat: Tensor, params: list[Tensor]) -> list[Tensor]:
-    """One gradient tensor per parameter, in its dtype, from the kernels' flat buffer (an op's outputs must not alias
-    each other): one multi-tensor copy instead of a copy per parameter."""
+    """One gradient tensor per parameter, in its dtype, from the kernels' flat fp32 buffer (an op's outputs must not
+    alias each other): one cast, then one multi-tensor copy (a copy that also casts takes a launch per tensor)."""
+    flat = flat.to(params[0].dtype)
     out = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
     torch._foreach_copy_(out, [g.view(p.shape) for g, p in zip(torch.split(flat, [p.numel() for p in params]),
                                                                 params)])

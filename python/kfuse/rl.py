@@ -120,8 +120,9 @@ def masked_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: i
     h0, c0 = hidden
     if z.shape[0] == n:
         m = masks.to(z.dtype).view(1, n, 1)
-        o, hidden = rnn(z.unsqueeze(0), (h0 * m, c0 * m))
-        return o.squeeze(0), hidden
+        o, (h, c) = rnn(z.unsqueeze(0), (h0 * m, c0 * m))
+        # (Dynamo's traced LSTM, allow_rnn, returned the states as (layers, 1, n, H): the same values, one more dim.)
+        return o.squeeze(0), (h.reshape(h0.shape), c.reshape(c0.shape))
     return _packed_lstm(rnn, z, hidden, masks, n)
 
 

@@ -146,6 +146,30 @@ def test_encoder_ops_on_cuda_equal_the_module(dtype):
         assert torch.equal(a, b) or rel_err(a, b) <= 1e-6, n
 
 
+def test_inference_op_on_cuda_follows_every_kind_of_parameter_change():
+    """encoder_infer's fast path (launch first, check the parameters are the bound tensors afterwards) against the
+    module, bit-exact: repeated calls; after a write through .data; after a parameter tensor is replaced (a new
+    storage: the first launch used the old one and must be redone); with another module's parameters of the same
+    configuration; a call that needs a gradient is refused."""
+    cfg = (3, 64, [1, 1, 1, 1])
+    a = kfuse.ResNetEncoder.default_network(3, seed=3).to("cuda", torch.float16)
+    b = kfuse.ResNetEncoder.default_network(3, seed=4).to("cuda", torch.float16)
+    x = torch.rand(16, 3, 64, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).half()
+    infer = lambda m: torch.ops.kfuse.encoder_infer(x, list(m.parameters()), *cfg)  # noqa: E731
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(infer(a), a(x))
+        p = a.layers[1][0].conv1.weight
+        p.data.mul_(-0.5)
+        assert torch.equal(infer(a), a(x)), "after a write through .data"
+        p.data = p.data.clone() * 1.5
+        assert torch.equal(infer(a), a(x)), "after a parameter tensor was replaced"
+        assert torch.equal(infer(b), b(x)), "another module's parameters"
+        assert torch.equal(infer(a), a(x)), "back to the first module's"
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        infer(a)
+
+
 def test_mlp_ops_on_cuda_equal_the_module():
     mlp = kfuse.FusedMLP(32, 16, (64, 64)).to("cuda", torch.float16)
     params = list(mlp.parameters())

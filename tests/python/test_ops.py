@@ -62,6 +62,35 @@ def test_encoder_op_names_bad_input():
                                         *CONFIG)
 
 
+def test_inference_op_equals_the_forward_op_and_refuses_gradients():
+    """encoder_infer (no autograd formula) computes what encoder_forward does; where a gradient would be needed it
+    raises rather than return an output that autograd would treat as a constant."""
+    enc = _encoder()
+    x = torch.rand(2, 3, 64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    params = list(enc.parameters())
+    with torch.no_grad():
+        got = torch.ops.kfuse.encoder_infer(x, params, *CONFIG[:3])
+        want = torch.ops.kfuse.encoder_forward(x, params, *CONFIG)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="encoder_infer is not differentiable"):
+        torch.ops.kfuse.encoder_infer(x, params, *CONFIG[:3])
+    with pytest.raises(RuntimeError, match="encoder_infer is not differentiable"):
+        torch.ops.kfuse.encoder_infer(x.requires_grad_(), [p.detach() for p in params], *CONFIG[:3])
+    torch.library.opcheck(torch.ops.kfuse.encoder_infer.default, (x.detach()[:1], [p.detach() for p in params],
+                                                                 *CONFIG[:3]),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_modules_call_the_inference_op_where_no_gradient_is_needed():
+    enc = _encoder()
+    x = torch.rand(1, 3, 64, 64, dtype=torch.float64)
+    with torch.no_grad():
+        graph = str(torch.export.export(enc, (x,)).graph)
+    assert "kfuse.encoder_infer" in graph and "encoder_forward" not in graph
+    graph = str(torch.export.export(enc, (x,)).graph)
+    assert "kfuse.encoder_forward" in graph
+
+
 class Policy(nn.Module):
     """The DD-PPO program's policy, small: kfuse encoder, compression conv, fc + LayerNorm, goal and previous-action
     embeddings, a 2-layer LSTM, a kfuse FusedMLP actor and a linear critic."""

@@ -134,3 +134,24 @@ def test_actor_samples_actions_with_the_policys_probabilities():
     ratio, entropy = rl.ppo_terms(logits, action, old)
     torch.testing.assert_close(ratio, torch.exp(dist.log_prob(action) - old))
     torch.testing.assert_close(entropy, dist.entropy())
+
+
+def test_compiled_rollout_step_equals_eager():
+    """The rollout step compiled as the rl benchmark's compiled rows compile it (Dynamo's RNN support on): actions,
+    log-probabilities, values and the recurrent state (its shape included: the traced LSTM returned the states with
+    an extra dimension) equal eager's, float64 on the CPU."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    actor = rl.Actor(rl.Policy(encoder="torch").double().eval())
+    n, gen = 3, torch.Generator().manual_seed(1)
+    args = (torch.randint(0, 256, (n, 64, 64, 4), generator=gen, dtype=torch.uint8),
+            torch.rand(n, 3, generator=gen, dtype=torch.float64), torch.randint(0, 5, (n,), generator=gen),
+            (torch.randn(2, n, 512, generator=gen, dtype=torch.float64),
+             torch.randn(2, n, 512, generator=gen, dtype=torch.float64)),
+            torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64), torch.rand(n, generator=gen, dtype=torch.float64))
+    with torch.no_grad(), torch._dynamo.config.patch(allow_rnn=True):
+        want, got = actor(*args), torch.compile(actor, fullgraph=True)(*args)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip((*got[1:3], *got[3]), (*want[1:3], *want[3])):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
