@@ -120,13 +120,13 @@ def _write(path: Path, meta: dict, rows: list[dict], title: str) -> None:
         return
     names = [r["impl"] for r in rows]
     fps = [r["fps"] for r in rows]
-    ref = next((r["fps"] for r in rows if r["impl"] == "kfuse"), None)
+    ref = max((r["fps"] for r in rows if r["impl"].startswith("kfuse") and r.get("gpus", 1) == 1), default=None)
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.6))
     ys = range(len(rows))
     ax.barh(list(ys), fps, height=0.5, color="#4c72b0")
     for y, r in zip(ys, rows):
         label = f" {r['fps']:.0f} frames/s (rollout {r['rollout_ms']:.1f} + update {r['update_ms']:.1f} ms)"
-        if ref and r["impl"] != "kfuse":
+        if ref and not r["impl"].startswith("kfuse"):
             label += f"  kfuse {ref / r['fps']:.2f}x"
         ax.text(r["fps"], y, label, va="center", fontsize=8)
     ax.set_yticks(list(ys), names)
@@ -167,6 +167,96 @@ def run_rl(args, meta_dev: dict, out_dir: Path) -> list:
     path = out_dir / "rl-c3.json"
     _write(path, meta, rows, "rl: one DD-PPO iteration (32 x 128 frames, 2 minibatches)")
     return [(f"rl ({path})", rows)]
+
+
+def spawn_with_deadline(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs), with a deadline: processes still running after `timeout_s`
+    are terminated and a TimeoutError says so (a collective that waits for a dead peer must not hang the caller)."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=2):  # raises if a process failed
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise TimeoutError(f"{nprocs} processes of {getattr(fn, '__name__', fn)} still ran after {timeout_s} s "
+                               "(terminated)")
+
+
+def _ddp_worker(rank: int, world: int, impl: str, envs: int, steps: int, iterations: int, store: str, out: str,
+                device_type: str) -> None:
+    """One process of the data-parallel loop: on GPUs one per GPU with NCCL (NVLink multicast off, as the machines
+    require), on the CPU gloo (float32, the tests' small runs); DDP inside PPOTrainer. Rank 0 writes every rank's
+    timings to `out`."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(rank)
+        torch.backends.cudnn.benchmark = True
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world, device_id=device if cuda else None)
+    try:
+        trainer = _trainer(impl, device, envs, steps, seed=0, dtype=torch.float16 if cuda else torch.float32)
+        r = time_iterations(trainer, iterations, warmup=3 if cuda else 1)
+        rows = [r]
+        if world > 1:
+            rows = [None] * world
+            dist.all_gather_object(rows, r)
+        if rank == 0:
+            torch.save(rows, out)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def run_rl_ddp(args, meta_dev: dict, out_dir: Path, gpus: int, device_type: str = "cuda",
+               steps: int = RL_STEPS) -> list:
+    """Weak scaling of the loop: `gpus` processes of `envs` environments each (one per GPU, NCCL, DDP) against one
+    process on one GPU, same run. Frames/s of several GPUs: all of their frames over the slowest rank's time."""
+    import tempfile
+
+    iterations = getattr(args, "rl_iters", None) or 5
+    envs = getattr(args, "rl_envs", None) or RL_ENVS
+    rows = []
+    for impl in (args.impl or ("kfuse",)):
+        for world in (1, gpus):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = f"{tmp}/rows.pt"
+                worker_args = (world, impl, envs, steps, iterations, f"{tmp}/store", out, device_type)
+                if world == 1:  # the baseline in this process
+                    _ddp_worker(0, *worker_args)
+                    torch.cuda.empty_cache() if device_type == "cuda" else None
+                else:
+                    spawn_with_deadline(_ddp_worker, worker_args, world, timeout_s=900)
+                ranks = torch.load(out)
+            rollout = max(r["rollout_ms"] for r in ranks)
+            update = max(r["update_ms"] for r in ranks)
+            frames = sum(r["frames_per_iteration"] for r in ranks)
+            row = {"impl": f"{impl} x{world}", "fps": round(frames / ((rollout + update) / 1e3), 1),
+                   "rollout_ms": rollout, "update_ms": update, "frames_per_iteration": frames, "gpus": world}
+            rows.append(row)
+            print(f"[bench] rl {row['impl']}: {row['fps']:.0f} frames/s (rollout {rollout:.1f} ms, update "
+                  f"{update:.1f} ms)", flush=True)
+        one, many = rows[-2], rows[-1]
+        many["scaling"] = round(many["fps"] / one["fps"], 3)
+        many["update_vs_one"] = round(many["update_ms"] / one["update_ms"], 3)
+        print(f"[bench] rl {impl}: {gpus} processes {many['scaling']:.2f}x the frames/s of one; update "
+              f"{many['update_vs_one']:.3f}x one's", flush=True)
+    meta = dict(meta_dev, workload="rl-ddp", channels=3, num_envs_per_gpu=envs, steps=steps, minibatches=2,
+                gpus=gpus, backend="nccl" if device_type == "cuda" else "gloo", nvls="off",
+                input="uint8 RGBA 64x64, fp16 policy" if device_type == "cuda" else "uint8 RGBA 64x64, fp32 policy")
+    path = out_dir / f"rl-ddp{gpus}-c3.json"
+    _write(path, meta, rows, f"rl: DD-PPO weak scaling over {gpus} GPUs (DDP)")
+    return [(f"rl-ddp ({path})", rows)]
 
 
 def run_rl_cpu(num_envs: int = 4, steps: int = 4) -> None:

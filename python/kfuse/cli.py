@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-autotune", action="store_true", help="also run torch.compile(mode='max-autotune') (slow)")
     p.add_argument("--rl-iters", type=int, default=5, help="timed DD-PPO iterations per implementation (rl)")
     p.add_argument("--rl-envs", type=int, default=128, help="environments of the rl workload (default: %(default)s)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="rl: also run the loop data-parallel over this many GPUs (one process each, NCCL, DDP) "
+                        "beside one GPU (default: %(default)s: one GPU only)")
     p.add_argument("--out", default="bench/results", help="results folder (default: %(default)s)")
     p.add_argument("--cpu", action="store_true", help="run the CPU reference even when a GPU is present")
     p.set_defaults(func=_bench)

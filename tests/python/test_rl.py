@@ -155,3 +155,19 @@ def test_compiled_rollout_step_equals_eager():
     for a, b in zip((*got[1:3], *got[3]), (*want[1:3], *want[3])):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_data_parallel_benchmark_runs_over_two_processes(tmp_path):
+    """kfuse bench's weak-scaling run (bench_rl.run_rl_ddp) on the CPU with gloo: one process, then two, each with its
+    own environments; frames/s counts every rank's frames; the JSON is written."""
+    import argparse
+    import json
+
+    from kfuse import bench_rl
+
+    args = argparse.Namespace(impl=None, rl_iters=1, rl_envs=2)
+    (title, rows), = bench_rl.run_rl_ddp(args, {"device": "cpu"}, tmp_path, 2, device_type="cpu", steps=2)
+    assert [r["gpus"] for r in rows] == [1, 2]
+    assert rows[1]["frames_per_iteration"] == 2 * rows[0]["frames_per_iteration"] == 8
+    assert rows[1]["scaling"] > 0 and rows[1]["update_vs_one"] > 0
+    assert json.loads((tmp_path / "rl-ddp2-c3.json").read_text())["meta"]["backend"] == "gloo"

@@ -8,43 +8,69 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
 from kfuse import rl
+from kfuse.bench_rl import spawn_with_deadline
 
 WORLD = 2
 
 
-def _worker(rank: int, encoder: str, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+def _worker(rank: int, encoder: str, store: str, out: str, device_type: str = "cpu") -> None:
+    cuda = device_type == "cuda"
+    if cuda:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the shared machines
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            device_id=device if cuda else None)
     try:
         torch.manual_seed(rank)
         policy = rl.Policy(encoder=encoder, seed=3 + rank)  # rank 1 starts elsewhere: DDP's broadcast fixes that
-        trainer = rl.PPOTrainer(policy, num_envs=2, steps=2, seed=5)
-        start = torch.cat([p.detach().flatten() for p in policy.parameters()])
+        if cuda:
+            policy = policy.to(device, torch.float16)
+        trainer = rl.PPOTrainer(policy, num_envs=8 if cuda else 2, steps=4 if cuda else 2, seed=5)
+        start = torch.cat([p.detach().float().flatten() for p in policy.parameters()]).cpu()
         rows = []
         for _ in range(2):
             stats = trainer.iteration()
-            flat = torch.cat([p.detach().flatten() for p in policy.parameters()])
+            flat = torch.cat([p.detach().float().flatten() for p in policy.parameters()])
             gathered = [torch.empty_like(flat) for _ in range(WORLD)]
             dist.all_gather(gathered, flat)
-            rows.append((stats["loss"], [g.clone() for g in gathered]))
+            rows.append((stats["loss"], [g.cpu().clone() for g in gathered]))
         if rank == 0:
             torch.save({"start": start, "rows": rows}, out)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("encoder", ["kfuse", "torch"])
-def test_every_rank_holds_the_same_weights_after_each_update(encoder, tmp_path):
+def check_ranks_agree(encoder: str, tmp_path, device_type: str = "cpu") -> None:
     store, out = str(tmp_path / "store"), str(tmp_path / "out.pt")
-    mp.spawn(_worker, args=(encoder, store, out), nprocs=WORLD, join=True)
+    spawn_with_deadline(_worker, (encoder, store, out, device_type), WORLD, timeout_s=600)
     result = torch.load(out)
     ref = rl.Policy(encoder="torch", seed=3)
     rank0_init = torch.cat([p.detach().flatten() for p in ref.parameters()])
+    if device_type == "cuda":
+        rank0_init = rank0_init.half().float()
     assert torch.equal(result["start"], rank0_init)
     previous = rank0_init
     for loss, weights in result["rows"]:
         assert torch.equal(weights[0], weights[1]), "the ranks' weights differ after an update"
         assert not torch.equal(weights[0], previous), "the update did not move the weights"
         previous = weights[0]
+
+
+@pytest.mark.parametrize("encoder", ["kfuse", "torch"])
+def test_every_rank_holds_the_same_weights_after_each_update(encoder, tmp_path):
+    check_ranks_agree(encoder, tmp_path)
+
+
+def _wait_forever(rank: int) -> None:
+    import time
+    while True:
+        time.sleep(1)
+
+
+def test_a_hung_process_group_is_terminated_with_an_error():
+    """The data-parallel runs (tests and kfuse bench) spawn through spawn_with_deadline: a process that never returns
+    (a collective waiting for a dead peer) is terminated and reported, not waited for."""
+    with pytest.raises(TimeoutError, match="still ran after"):
+        spawn_with_deadline(_wait_forever, (), 2, timeout_s=3)
