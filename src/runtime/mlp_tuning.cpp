@@ -50,6 +50,150 @@ std::vector<MlpVariant> forward_candidates(const std::vector<MlpVariant>& all) {
   return out;
 }
 
+std::vector<std::string> names_of(const std::vector<MlpVariant>& v) {
+  std::vector<std::string> n;
+  for (const MlpVariant& x : v) n.push_back(x.name());
+  return n;
+}
+
+// The variants this device can run: every candidate (training) and the distinct forward tilings (inference).
+std::vector<MlpVariant> device_candidates(const MlpSpec& spec, int device) {
+  int optin = 0, cc_major = 0, cc_minor = 0;
+  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute(shared memory)");
+  check_cuda(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device),
+             "cudaDeviceGetAttribute(compute capability)");
+  check_cuda(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device),
+             "cudaDeviceGetAttribute(compute capability)");
+  std::vector<MlpVariant> all = mlp_candidate_variants(spec, size_t(optin), mlp_wgmma_supported(cc_major, cc_minor));
+  KFUSE_CHECK(!all.empty(), InvalidArgument, "no kernel variant can run ", spec.to_string());
+  return all;
+}
+
+// One tuning of a spec at a batch: the candidates' engines and the random data they run on, both built on first
+// need (cached choices need neither). A forward candidate runs on the engine of the first variant with its tiling
+// (fwd_engine_index); a training candidate on its own.
+class MlpTuningSession {
+ public:
+  MlpTuningSession(const MlpSpec& spec, int device, int64_t batch)
+      : spec_(spec), device_(device), batch_(batch), dt_(storage(spec.dtype)),
+        all_(device_candidates(spec, device)), fwd_(forward_candidates(all_)), engines_(all_.size()) {
+    for (const MlpVariant& f : fwd_)
+      for (size_t i = 0; i < all_.size(); ++i)
+        if (forward_tiling(all_[i]) == f) {
+          fwd_engine_index_.push_back(i);
+          break;
+        }
+  }
+
+  const std::vector<MlpVariant>& all() const { return all_; }
+  const std::vector<MlpVariant>& forward() const { return fwd_; }
+  double tolerance() const { return spec_.dtype == MlpDType::kFloat16 ? 5e-3 : 2e-2; }
+
+  // The inference forward of candidate i (a forward tiling), into an output of its own: the forward candidates
+  // never overwrite the y the training candidates read.
+  std::unique_ptr<CandidateTimer> forward_timer() {
+    Data& d = prepare();
+    auto y = std::make_shared<Buffer>(2 * size_t(batch_) * spec_.output_width);
+    auto launch = [this, &d, y](size_t i, cudaStream_t s) {
+      engine_at(fwd_engine_index_[i]).forward(d.packed->p, d.x->p, y->p, batch_, as_stream(s));
+    };
+    const size_t elems = size_t(batch_) * spec_.output_width;
+    const kernels::ConvDType dt = dt_;
+    auto output = [y, elems, dt](size_t) { return CandidateTimer::Output{y->p, elems, value_type(dt)}; };
+    auto poison = [y, elems](size_t, cudaStream_t s) {
+      check_cuda(cudaMemsetAsync(y->p, 0xff, 2 * elems, s), "cudaMemset (MLP tuning)");
+    };
+    return std::make_unique<CandidateTimer>(launch, poison, output, tolerance());
+  }
+
+  // A training step of candidate i: its training forward (its stash) and its backward.
+  std::unique_ptr<CandidateTimer> train_timer() {
+    Data& d = prepare();
+    auto launch = [this, &d](size_t i, cudaStream_t s) {
+      engine_at(i).forward_train(d.packed->p, d.x->p, d.y->p, d.stash->p, batch_, as_stream(s));
+      engine_at(i).backward(d.packed->p, d.x->p, d.y->p, d.dy->p, d.stash->p, d.ws->p, static_cast<float*>(d.grads->p),
+                            nullptr, batch_, as_stream(s));
+    };
+    const size_t n = size_t(spec_.num_parameters());
+    void* g = d.grads->p;
+    // The stash is poisoned too: a candidate's backward must read only what its own forward_train wrote (one with
+    // recomputed activations leaves their arrays unwritten), and a stale read would see the last one's.
+    auto poison_grads = poison_fn(g, 4 * n);
+    void* const stash = d.stash->p;
+    const size_t stash_bytes = engine_at(0).stash_bytes(batch_);
+    auto poison = [poison_grads, stash, stash_bytes](size_t i, cudaStream_t s) {
+      poison_grads(i, s);
+      check_cuda(cudaMemsetAsync(stash, 0xff, stash_bytes, s), "cudaMemset (MLP tuning stash)");
+    };
+    auto output = [g, n](size_t) { return CandidateTimer::Output{g, n, kernels::ValueType::kF32}; };
+    return std::make_unique<CandidateTimer>(launch, poison, output, tolerance());
+  }
+
+ private:
+  struct Data {
+    std::unique_ptr<Buffer> packed, x, y, dy, stash, grads, ws;
+    std::vector<std::unique_ptr<Buffer>> layers;  // PyTorch-layout weights and biases, packed from
+  };
+
+  static FusedMlp::Stream as_stream(cudaStream_t s) { return reinterpret_cast<FusedMlp::Stream>(s); }
+
+  FusedMlp& engine_at(size_t i) {
+    if (!engines_[i]) engines_[i] = std::make_unique<FusedMlp>(spec_, device_, all_[i]);
+    return *engines_[i];
+  }
+
+  // Random weights in PyTorch's layouts, packed by the first engine (every variant packs them alike).
+  void upload_weights(Data& d) {
+    std::vector<const void*> w, b;
+    for (int l = 0; l < spec_.num_layers(); ++l) {
+      const size_t wn = size_t(spec_.layer_out(l)) * spec_.layer_in(l), bn = size_t(spec_.layer_out(l));
+      d.layers.push_back(std::make_unique<Buffer>(2 * wn));
+      upload_random(d.layers.back()->p, wn, 1.0f / std::sqrt(float(spec_.layer_in(l))), dt_, 100u + l);
+      w.push_back(d.layers.back()->p);
+      b.push_back(nullptr);
+      if (spec_.has_bias(l)) {
+        d.layers.push_back(std::make_unique<Buffer>(2 * bn));
+        upload_random(d.layers.back()->p, bn, 0.5f, dt_, 200u + l);
+        b.back() = d.layers.back()->p;
+      }
+    }
+    d.packed = std::make_unique<Buffer>(engine_at(0).packed_weights_bytes());
+    engine_at(0).pack_weights(w, b, d.packed->p, nullptr);
+  }
+
+  Data& prepare() {
+    if (data_) return *data_;
+    data_ = std::make_unique<Data>();
+    Data& d = *data_;
+    upload_weights(d);
+    const size_t in = size_t(batch_) * spec_.input_width, out = size_t(batch_) * spec_.output_width;
+    d.x = std::make_unique<Buffer>(2 * in);
+    d.y = std::make_unique<Buffer>(2 * out);
+    d.dy = std::make_unique<Buffer>(2 * out);
+    upload_random(d.x->p, in, 1.0f, dt_, 300u);
+    upload_random(d.dy->p, out, 1.0f, dt_, 400u);
+    d.stash = std::make_unique<Buffer>(engine_at(0).stash_bytes(batch_));
+    d.grads = std::make_unique<Buffer>(4 * size_t(spec_.num_parameters()));
+    size_t ws = 0;
+    for (size_t i = 0; i < all_.size(); ++i) ws = std::max(ws, engine_at(i).backward_workspace_bytes(batch_));
+    d.ws = std::make_unique<Buffer>(ws);
+    // The stash and y every training candidate's backward reads before its own forward: the default's.
+    engine_at(0).forward_train(d.packed->p, d.x->p, d.y->p, d.stash->p, batch_, nullptr);
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (MLP tuning)");
+    return d;
+  }
+
+  const MlpSpec& spec_;
+  const int device_;
+  const int64_t batch_;
+  const kernels::ConvDType dt_;
+  const std::vector<MlpVariant> all_, fwd_;
+  std::vector<size_t> fwd_engine_index_;
+  std::vector<std::unique_ptr<FusedMlp>> engines_;
+  std::unique_ptr<Data> data_;
+};
+
 }  // namespace
 
 MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mode, const TunerOptions& options) {
@@ -57,144 +201,23 @@ MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mo
   KFUSE_CHECK(batch >= 1 && batch < (int64_t(1) << 31), InvalidArgument, "MLP tuning batch must be in [1, 2^31), got ",
               batch);
   DeviceGuard guard(device);
-  int optin = 0;
-  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-             "cudaDeviceGetAttribute(shared memory)");
-  int cc_major = 0, cc_minor = 0;
-  check_cuda(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device),
-             "cudaDeviceGetAttribute(compute capability)");
-  check_cuda(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device),
-             "cudaDeviceGetAttribute(compute capability)");
-  const std::vector<MlpVariant> all =
-      mlp_candidate_variants(spec, size_t(optin), mlp_wgmma_supported(cc_major, cc_minor));
-  KFUSE_CHECK(!all.empty(), InvalidArgument, "no kernel variant can run ", spec.to_string());
-  const std::vector<MlpVariant> fwd = forward_candidates(all);
-  const kernels::ConvDType dt = storage(spec.dtype);
+  MlpTuningSession session(spec, device, batch);
   const std::string shape = spec.to_string() + " batch " + std::to_string(batch);
-  auto names_of = [](const std::vector<MlpVariant>& v) {
-    std::vector<std::string> n;
-    for (const MlpVariant& x : v) n.push_back(x.name());
-    return n;
-  };
-  const std::vector<std::string> fwd_names = names_of(fwd), bwd_names = names_of(all);
+  const kernels::ConvDType dt = storage(spec.dtype);
+  const std::vector<std::string> fwd_names = names_of(session.forward()), train_names = names_of(session.all());
   TuningKey fwd_key = device_tuning_key("mlp_forward", shape, dt, fwd_names);
-  TuningKey bwd_key = device_tuning_key("mlp_train", shape, dt, bwd_names);
-  fwd_key.layout = bwd_key.layout = "row_major";
-
-  // Engines and random data, built on first need (cached choices need neither). A forward candidate runs on the
-  // engine of the first variant with its tiling (fwd_engine_index); a backward candidate on its own.
-  std::vector<std::unique_ptr<FusedMlp>> engines(all.size());
-  auto engine_at = [&](size_t i) -> FusedMlp& {
-    if (!engines[i]) engines[i] = std::make_unique<FusedMlp>(spec, device, all[i]);
-    return *engines[i];
-  };
-  std::vector<size_t> fwd_engine_index;
-  for (const MlpVariant& f : fwd) {
-    for (size_t i = 0; i < all.size(); ++i) {
-      if (forward_tiling(all[i]) == f) {
-        fwd_engine_index.push_back(i);
-        break;
-      }
-    }
-  }
-  struct Data {
-    std::unique_ptr<Buffer> packed, x, y, dy, stash, grads, ws;
-    std::vector<std::unique_ptr<Buffer>> layers;  // PyTorch-layout weights and biases, packed from
-  };
-  std::unique_ptr<Data> data;
-  FusedMlp::Stream stream = nullptr;
-  auto prepare = [&]() -> Data& {
-    if (data) return *data;
-    data = std::make_unique<Data>();
-    FusedMlp& e0 = engine_at(0);
-    std::vector<const void*> w, b;
-    for (int l = 0; l < spec.num_layers(); ++l) {
-      const size_t wn = size_t(spec.layer_out(l)) * spec.layer_in(l), bn = size_t(spec.layer_out(l));
-      data->layers.push_back(std::make_unique<Buffer>(2 * wn));
-      upload_random(data->layers.back()->p, wn, 1.0f / std::sqrt(float(spec.layer_in(l))), dt, 100u + l);
-      w.push_back(data->layers.back()->p);
-      if (spec.has_bias(l)) {
-        data->layers.push_back(std::make_unique<Buffer>(2 * bn));
-        upload_random(data->layers.back()->p, bn, 0.5f, dt, 200u + l);
-        b.push_back(data->layers.back()->p);
-      } else {
-        b.push_back(nullptr);
-      }
-    }
-    data->packed = std::make_unique<Buffer>(e0.packed_weights_bytes());
-    e0.pack_weights(w, b, data->packed->p, stream);
-    data->x = std::make_unique<Buffer>(2 * size_t(batch) * spec.input_width);
-    data->y = std::make_unique<Buffer>(2 * size_t(batch) * spec.output_width);
-    data->dy = std::make_unique<Buffer>(2 * size_t(batch) * spec.output_width);
-    upload_random(data->x->p, size_t(batch) * spec.input_width, 1.0f, dt, 300u);
-    upload_random(data->dy->p, size_t(batch) * spec.output_width, 1.0f, dt, 400u);
-    data->stash = std::make_unique<Buffer>(e0.stash_bytes(batch));
-    data->grads = std::make_unique<Buffer>(4 * size_t(spec.num_parameters()));
-    size_t ws = 0;
-    for (size_t i = 0; i < all.size(); ++i) ws = std::max(ws, engine_at(i).backward_workspace_bytes(batch));
-    data->ws = std::make_unique<Buffer>(ws);
-    // The stash and y every backward candidate reads: the default's training forward.
-    e0.forward_train(data->packed->p, data->x->p, data->y->p, data->stash->p, batch, stream);
-    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (MLP tuning)");
-    return *data;
-  };
+  TuningKey train_key = device_tuning_key("mlp_train", shape, dt, train_names);
+  fwd_key.layout = train_key.layout = "row_major";
 
   TuningCache cache;  // the user's tuning cache (KFUSE_CACHE_DIR moves it), as the encoder's
   MlpTuning out;
-  const double tol = spec.dtype == MlpDType::kFloat16 ? 5e-3 : 2e-2;
-  {
-    auto make_timer = [&] {
-      Data& d = prepare();
-      // A separate output, so that the forward candidates never overwrite the y the backward reads.
-      auto y = std::make_shared<Buffer>(2 * size_t(batch) * spec.output_width);
-      auto launch = [&, y](size_t i, cudaStream_t s) {
-        engine_at(fwd_engine_index[i]).forward(d.packed->p, d.x->p, y->p, batch, reinterpret_cast<FusedMlp::Stream>(s));
-      };
-      const size_t elems = size_t(batch) * spec.output_width;
-      auto output = [y, elems, dt](size_t) { return CandidateTimer::Output{y->p, elems, value_type(dt)}; };
-      auto poison = [y, elems](size_t, cudaStream_t s) {
-        check_cuda(cudaMemsetAsync(y->p, 0xff, 2 * elems, s), "cudaMemset (MLP tuning)");
-      };
-      return std::make_unique<CandidateTimer>(launch, poison, output, tol);
-    };
-    OpTuningReport row;
-    const TuningResult r = tune_op(cache, fwd_key, fwd_names, make_timer, mode, options, row);
-    out.forward = fwd[r.chosen];
-    out.rows.push_back(row);
-  }
-  {
-    auto make_timer = [&] {
-      Data& d = prepare();
-      // A training step's kernels: the candidate's training forward (its stash) and its backward.
-      auto launch = [&](size_t i, cudaStream_t s) {
-        engine_at(i).forward_train(d.packed->p, d.x->p, d.y->p, d.stash->p, batch,
-                                   reinterpret_cast<FusedMlp::Stream>(s));
-        engine_at(i).backward(d.packed->p, d.x->p, d.y->p, d.dy->p, d.stash->p, d.ws->p,
-                                static_cast<float*>(d.grads->p), nullptr, batch,
-                                reinterpret_cast<FusedMlp::Stream>(s));
-      };
-      const size_t n = size_t(spec.num_parameters());
-      void* g = d.grads->p;
-      // The stash is poisoned too: a candidate's backward must read only what its own forward_train wrote (one
-      // with recomputed activations leaves their arrays unwritten), and a stale read would see the last one's.
-      auto poison_grads = poison_fn(g, 4 * n);
-      void* const stash = d.stash->p;
-      const size_t stash_bytes = engine_at(0).stash_bytes(batch);
-      auto poison = [poison_grads, stash, stash_bytes](size_t i, cudaStream_t s) {
-        poison_grads(i, s);
-        check_cuda(cudaMemsetAsync(stash, 0xff, stash_bytes, s), "cudaMemset (MLP tuning stash)");
-      };
-      return std::make_unique<CandidateTimer>(launch, poison,
-                                              [g, n](size_t) {
-                                                return CandidateTimer::Output{g, n, kernels::ValueType::kF32};
-                                              },
-                                              tol);
-    };
-    OpTuningReport row;
-    const TuningResult r = tune_op(cache, bwd_key, bwd_names, make_timer, mode, options, row);
-    out.backward = all[r.chosen];
-    out.rows.push_back(row);
-  }
+  out.rows.resize(2);
+  const TuningResult f =
+      tune_op(cache, fwd_key, fwd_names, [&] { return session.forward_timer(); }, mode, options, out.rows[0]);
+  out.forward = session.forward()[f.chosen];
+  const TuningResult t =
+      tune_op(cache, train_key, train_names, [&] { return session.train_timer(); }, mode, options, out.rows[1]);
+  out.backward = session.all()[t.chosen];
   return out;
 }
 
