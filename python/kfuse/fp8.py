@@ -11,10 +11,14 @@ tested against: the same scales, the same roundings, then exact arithmetic.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["FORMATS", "DelayedScaling", "quantize", "scale_from_amax", "conv2d_quantized_reference"]
+__all__ = ["FORMATS", "DelayedScaling", "quantize", "scale_from_amax", "conv2d_quantized_reference", "calibrate",
+           "fp8_convolutions"]
 
 # format name -> (torch dtype, largest finite value)
 FORMATS = {
@@ -91,3 +95,76 @@ def conv2d_quantized_reference(x: torch.Tensor, w: torch.Tensor, x_scale: torch.
     xq = quantize(x.double(), x_scale.double(), fmt)
     wq = quantize(w.double(), w_scale.double().view(-1, 1, 1, 1), fmt)
     return F.conv2d(xq, wq, stride=stride, padding=padding)
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, batches, percentile: float | None = None) -> dict[str, torch.Tensor]:
+    """Per-tensor activation ranges for fp8 inference: the input of every nn.Conv2d of `model` (a plain-PyTorch
+    network such as kfuse.reference.ResNetEncoder), over the calibration `batches` (an iterable of inputs). The range
+    is the largest |x| seen, or with `percentile` (e.g. 99.99) the largest over batches of that percentile of |x|
+    (outliers saturate instead of costing the rest of the tensor its resolution). Returns {conv name: amax}."""
+    if percentile is not None and not 0 < percentile <= 100:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(_module, inputs):
+            a = inputs[0].detach().abs().float()
+            if percentile is None or percentile == 100:
+                v = a.amax()
+            else:  # (torch.quantile is limited to 2^24 elements: kthvalue on the flattened tensor)
+                flat = a.flatten()
+                v = flat.kthvalue(max(1, int(round(flat.numel() * percentile / 100)))).values
+            amax[name] = torch.maximum(amax[name], v) if name in amax else v
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    if not handles:
+        raise ValueError("calibrate: the model has no nn.Conv2d")
+    try:
+        seen = 0
+        for x in batches:
+            model(x)
+            seen += 1
+        if seen == 0:
+            raise ValueError("calibrate: no calibration batch was given")
+    finally:
+        for h in handles:
+            h.remove()
+    return amax
+
+
+@contextlib.contextmanager
+def fp8_convolutions(model: nn.Module, amax: dict[str, torch.Tensor], fmt: str = "e4m3"):
+    """Inside the context every nn.Conv2d of `model` computes as an fp8 tensor-core convolution does: its input
+    quantized with the per-tensor scale from `amax` (calibrate's), its filter with per-output-channel scales from the
+    filter's own ranges, products summed in fp32 or wider, the output in the model's dtype. Everything else (FixUp
+    scalars, squeeze-excite, residual) stays as it is. The accuracy of fp8 inference before (and as the reference of)
+    the fp8 kernels."""
+    convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    missing = sorted(set(convs) - set(amax))
+    if missing:
+        raise ValueError(f"fp8_convolutions: no calibrated range for {missing[:3]}{'...' if len(missing) > 3 else ''}")
+    originals = {}
+
+    def quantized_forward(conv: nn.Conv2d, a: torch.Tensor):
+        def forward(x):
+            w = conv.weight
+            w_amax = w.detach().abs().float().reshape(w.shape[0], -1).amax(1)
+            w_scale = scale_from_amax(w_amax, fmt).view(-1, 1, 1, 1)
+            xq = quantize(x.float(), scale_from_amax(a.to(x.device), fmt), fmt)
+            wq = quantize(w.float(), w_scale.to(w.device), fmt)
+            y = F.conv2d(xq, wq, None if conv.bias is None else conv.bias.float(), conv.stride, conv.padding,
+                         conv.dilation, conv.groups)
+            return y.to(x.dtype)
+        return forward
+
+    try:
+        for name, conv in convs.items():
+            originals[name] = conv.forward
+            conv.forward = quantized_forward(conv, amax[name])
+        yield model
+    finally:
+        for name, conv in convs.items():
+            if name in originals:
+                del conv.forward  # the class's forward again

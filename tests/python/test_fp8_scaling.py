@@ -71,3 +71,51 @@ def test_conv2d_quantized_reference_is_the_conv_of_the_quantized_operands():
     full = torch.nn.functional.conv2d(x.double(), w.double(), padding=1)
     err = ((y - full).norm() / full.norm()).item()
     assert 1e-3 < err < 0.1  # fp8 rounding is visible, and bounded (~2^-4 per operand, averaged over 36 terms)
+
+
+def _small_encoder():
+    from kfuse import reference
+    torch.manual_seed(0)
+    enc = reference.ResNetEncoder(3).double().eval()
+    for name, p in enc.named_parameters():  # FixUp starts some scalars at 0: random ones exercise every path
+        if "fixup" in name:
+            p.data.normal_(0, 0.1)
+    return enc
+
+
+def test_calibrate_records_every_convolutions_input_range():
+    enc = _small_encoder()
+    xs = [torch.rand(2, 3, 64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    amax = fp8.calibrate(enc, xs)
+    convs = [n for n, m in enc.named_modules() if isinstance(m, torch.nn.Conv2d)]
+    assert sorted(amax) == sorted(convs)
+    stem = next(n for n in convs if n.startswith("stem"))
+    assert amax[stem] == max(x.abs().max() for x in xs).float()  # the stem's input is the image (space-to-depth moves it)
+    p50 = fp8.calibrate(enc, xs, percentile=50)
+    assert all(p50[n] <= amax[n] for n in convs) and any(p50[n] < amax[n] for n in convs)
+    with pytest.raises(ValueError, match="percentile"):
+        fp8.calibrate(enc, xs, percentile=0)
+
+
+def test_fp8_convolutions_compute_the_quantized_reference_and_restore_the_model():
+    """Inside the context a convolution is conv2d_quantized_reference of its operands (the fp8 kernels' reference);
+    the whole encoder's output moves by fp8's rounding (a few percent, not more), and leaves unchanged afterwards."""
+    enc = _small_encoder()
+    x = torch.rand(2, 3, 64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    amax = fp8.calibrate(enc, [x])
+    want = enc(x)
+    conv = enc.layers[1][0].conv1
+    a = torch.rand(2, conv.in_channels, 8, 8, dtype=torch.float64) * amax["layers.1.0.conv1"]
+    w_amax = conv.weight.abs().float().reshape(conv.out_channels, -1).amax(1)
+    with fp8.fp8_convolutions(enc, amax):
+        got = enc(x)
+        one = conv(a)
+    ref = fp8.conv2d_quantized_reference(a, conv.weight, fp8.scale_from_amax(amax["layers.1.0.conv1"], "e4m3"),
+                                         fp8.scale_from_amax(w_amax, "e4m3"), stride=conv.stride[0])
+    torch.testing.assert_close(one, ref, rtol=1e-6, atol=1e-6)  # fp32 sums of the exact fp8 products
+    err = ((got - want).norm() / want.norm()).item()
+    assert 1e-4 < err < 0.1, err
+    assert torch.equal(enc(x), want)
+    with pytest.raises(ValueError, match="no calibrated range"):
+        with fp8.fp8_convolutions(enc, {}):
+            pass
