@@ -185,6 +185,21 @@ def spawn_with_deadline(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
                                "(terminated)")
 
 
+def quiesce_process_group() -> None:
+    """Call with the DistributedDataParallel wrappers already released, before destroy_process_group: a barrier (every
+    earlier collective done and freed by the group's worker thread), then a collection. Avoids a deadlock seen with
+    gloo (torch 2.11): where DDP's reducer held the group's last reference, its deallocation (holding the GIL) ran the
+    group's destructor, which waited for the worker thread while that thread, freeing an all-gather's tensors, waited
+    for the GIL. Released first, the reducer drops a reference that is not the last; destroy_process_group then
+    destroys an idle group."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+
+
 def _ddp_worker(rank: int, world: int, impl: str, envs: int, steps: int, iterations: int, store: str, out: str,
                 device_type: str) -> None:
     """One process of the data-parallel loop: on GPUs one per GPU with NCCL (NVLink multicast off, as the machines
@@ -213,6 +228,9 @@ def _ddp_worker(rank: int, world: int, impl: str, envs: int, steps: int, iterati
             dist.all_gather_object(rows, r)
         if rank == 0:
             torch.save(rows, out)
+        trainer = None
+        if world > 1:
+            quiesce_process_group()
     finally:
         if world > 1:
             dist.destroy_process_group()

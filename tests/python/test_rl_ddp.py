@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from kfuse import rl
-from kfuse.bench_rl import spawn_with_deadline
+from kfuse.bench_rl import quiesce_process_group, spawn_with_deadline
 
 WORLD = 2
 
@@ -38,13 +38,15 @@ def _worker(rank: int, encoder: str, store: str, out: str, device_type: str = "c
             rows.append((stats["loss"], [g.cpu().clone() for g in gathered]))
         if rank == 0:
             torch.save({"start": start, "rows": rows}, out)
+        trainer = policy = gathered = None
+        quiesce_process_group()
     finally:
         dist.destroy_process_group()
 
 
 def check_ranks_agree(encoder: str, tmp_path, device_type: str = "cpu") -> None:
     store, out = str(tmp_path / "store"), str(tmp_path / "out.pt")
-    spawn_with_deadline(_worker, (encoder, store, out, device_type), WORLD, timeout_s=600)
+    spawn_with_deadline(_worker, (encoder, store, out, device_type), WORLD, timeout_s=300)
     result = torch.load(out)
     ref = rl.Policy(encoder="torch", seed=3)
     rank0_init = torch.cat([p.detach().flatten() for p in ref.parameters()])
