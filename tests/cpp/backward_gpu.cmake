@@ -11,7 +11,7 @@ target_include_directories(test_conv_backward_gpu PRIVATE ${PROJECT_SOURCE_DIR}/
 gtest_discover_tests(test_conv_backward_gpu DISCOVERY_MODE PRE_TEST PROPERTIES LABELS gpu)
 
 add_executable(test_encoder_backward_gpu ${CMAKE_CURRENT_LIST_DIR}/test_se_backward_gpu.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_stem_mask_backward_gpu.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/test_relu_mask_backward_gpu.cpp ${CMAKE_CURRENT_LIST_DIR}/test_stem_backward_gpu.cpp)
 target_link_libraries(test_encoder_backward_gpu PRIVATE kfuse::kfuse GTest::gtest_main)
 target_include_directories(test_encoder_backward_gpu PRIVATE ${PROJECT_SOURCE_DIR}/src)
 gtest_discover_tests(test_encoder_backward_gpu DISCOVERY_MODE PRE_TEST PROPERTIES LABELS gpu)
