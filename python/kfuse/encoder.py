@@ -312,23 +312,19 @@ class ResNetEncoder(reference.ResNetEncoder):
         # alive).
         fast = self.__dict__.get("_kfuse_fast_call")
         if fast is not None and fast[0] == (x.shape, x.stride(), x.dtype, x.device):
-            _, gpu, spec, out_shape, out_dtype, index, entry, stamp, w_dtype = fast
-            y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
-            gpu.run(spec, x.data_ptr(), y.data_ptr(), torch._C._cuda_getCurrentRawStream(index))
+            y = ops.launch_prepared(fast[1], x)
             if params is None:
                 params = _param_list(self, self.config)
-            if entry[1] is stamp and params[0].dtype == w_dtype and stamp == list(map(_DATA_PTR, params)):
+            if ops.still_bound(fast[1], params):
                 return y
         if params is None:
             params = _param_list(self, self.config)
         gpu, spec, y, stream, entry = self._prepared_call(x, params, "_kfuse_last_call")
         self._stage(entry)
         gpu.run(spec, x.data_ptr(), y.data_ptr(), stream)
-        # uint8 input also depends on the input normalization (checked on the full path only); staged (non-contiguous)
-        # parameters are copied before each launch, on the full path.
-        self.__dict__["_kfuse_fast_call"] = None if x.dtype == torch.uint8 or entry[4] else (
-            (x.shape, x.stride(), x.dtype, x.device), gpu, spec, y.shape, y.dtype, x.device.index or 0, entry,
-            entry[1], params[0].dtype)
+        prepared = ops.prepared_inference(gpu, spec, x, y, entry, params[0].dtype)
+        self.__dict__["_kfuse_fast_call"] = None if prepared is None else (
+            (x.shape, x.stride(), x.dtype, x.device), prepared)
         return y
 
     def _forward_cuda_train(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:

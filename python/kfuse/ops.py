@@ -97,17 +97,36 @@ def _encoder_infer_cpu(x, params, in_channels, base_planes, layers):
         return encoder_forward(x, params, in_channels, base_planes, layers, False)
 
 
+# The launch-first hot path of the inference forward, shared by the module (ResNetEncoder._forward_cuda) and
+# encoder_infer: a call like the previous one launches on its prepared call first and checks afterwards (while the GPU
+# runs) that the parameters are still the tensors the engine is bound to; otherwise the caller redoes the call on the
+# full path, after the engine rebound (the first launch's output is dropped; stream order makes that safe).
+def prepared_inference(gpu, spec, x: Tensor, y: Tensor, entry, w_dtype):
+    """What launch_prepared and still_bound need, or None where the full path must run every call: uint8 input
+    (it also depends on the engine's input affine) and non-contiguous parameters (staged before each launch)."""
+    if x.dtype == torch.uint8 or entry[4]:
+        return None
+    return (gpu, spec, y.shape, y.dtype, x.device.index or 0, entry, entry[1], w_dtype)
+
+
+def launch_prepared(prepared, x: Tensor) -> Tensor:
+    gpu, spec, out_shape, out_dtype, index = prepared[:5]
+    y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+    gpu.run(spec, x.data_ptr(), y.data_ptr(), torch._C._cuda_getCurrentRawStream(index))
+    return y
+
+
+def still_bound(prepared, params: list[Tensor]) -> bool:
+    entry, stamp, w_dtype = prepared[5:]
+    return entry[1] is stamp and params[0].dtype == w_dtype and stamp == list(map(_DATA_PTR, params))
+
+
 def _encoder_infer_cuda(x, params, in_channels, base_planes, layers):
-    # As the module's hot path: a call like the previous one launches first and checks afterwards (while the GPU
-    # runs) that the parameters are the tensors the engine is bound to; otherwise the call is redone on the full
-    # path, after the engine rebound (the first launch's output is dropped; stream order makes that safe).
     key = (x.shape, x.stride(), x.dtype, x.device, in_channels, base_planes, *layers)
     fast = _FAST.get(key)
     if fast is not None:
-        gpu, spec, out_shape, out_dtype, index, entry, stamp = fast
-        y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
-        gpu.run(spec, x.data_ptr(), y.data_ptr(), torch._C._cuda_getCurrentRawStream(index))
-        if entry[1] is stamp and params[0].dtype == out_dtype and stamp == list(map(_DATA_PTR, params)):
+        y = launch_prepared(fast, x)
+        if still_bound(fast, params):
             _refuse_gradients(x, params)
             return y
     _refuse_gradients(x, params)
@@ -115,12 +134,11 @@ def _encoder_infer_cuda(x, params, in_channels, base_planes, layers):
     entry, _ = _cuda_engine(x, params, config)
     gpu, spec, y = _cuda_call(entry, x, params, config)
     gpu.run(spec, x.data_ptr(), y.data_ptr(), _stream(x))
-    # uint8 input also depends on the engine's input affine, and non-contiguous parameters are staged before each
-    # launch: those stay on the full path.
-    if x.dtype != torch.uint8 and not entry[4]:
+    prepared = prepared_inference(gpu, spec, x, y, entry, params[0].dtype)
+    if prepared is not None:
         if len(_FAST) >= 64:
             _FAST.pop(next(iter(_FAST)))
-        _FAST[key] = (gpu, spec, y.shape, y.dtype, x.device.index or 0, entry, entry[1])
+        _FAST[key] = prepared
     return y
 
 
