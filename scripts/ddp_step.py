@@ -3,7 +3,6 @@ over several GPUs (one process per GPU, NCCL, NVLink multicast off), same run: w
 when kfuse's gradients reach DDP. Usage (GPU machine with >= 2 GPUs):
     bash scripts/gpu_run.sh --exec "python3 scripts/ddp_step.py [gpus=2] [impl=kfuse|torch-compile]"
 """
-import os
 import statistics
 import sys
 import tempfile
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 
 import kfuse
 from kfuse import reference
+from kfuse.bench_rl import nvlink_multicast_off
 
 BATCH, STEPS, ROUNDS = 2048, 20, 5
 
@@ -26,7 +26,7 @@ def _encoder(impl: str, device):
 
 
 def _worker(rank: int, world: int, impl: str, store: str, out: str) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    nvlink_multicast_off()
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     if world > 1:

@@ -185,6 +185,15 @@ def spawn_with_deadline(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
                                "(terminated)")
 
 
+def nvlink_multicast_off() -> None:
+    """NCCL and PyTorch without NVLink multicast (the shared GPU machines require it; a program that uses it can take
+    the host's GPUs out of service), unless the environment already says otherwise."""
+    import os
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
 def quiesce_process_group() -> None:
     """Call with the DistributedDataParallel wrappers already released, before destroy_process_group: a barrier (every
     earlier collective done and freed by the group's worker thread), then a collection. Avoids a deadlock seen with
@@ -205,12 +214,9 @@ def _ddp_worker(rank: int, world: int, impl: str, envs: int, steps: int, iterati
     """One process of the data-parallel loop: on GPUs one per GPU with NCCL (NVLink multicast off, as the machines
     require), on the CPU gloo (float32, the tests' small runs); DDP inside PPOTrainer. Rank 0 writes every rank's
     timings to `out`."""
-    import os
-
     import torch.distributed as dist
 
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    nvlink_multicast_off()
     cuda = device_type == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:

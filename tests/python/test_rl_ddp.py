@@ -3,13 +3,11 @@ DistributedDataParallel's construction broadcasts rank 0's parameters into every
 follow), and after every update every rank holds the same weights, with both encoders. Each rank starts from other
 weights (another seed) and simulates its own environments."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 from kfuse import rl
-from kfuse.bench_rl import quiesce_process_group, spawn_with_deadline
+from kfuse.bench_rl import nvlink_multicast_off, quiesce_process_group, spawn_with_deadline
 
 WORLD = 2
 
@@ -17,7 +15,7 @@ WORLD = 2
 def _worker(rank: int, encoder: str, store: str, out: str, device_type: str = "cpu") -> None:
     cuda = device_type == "cuda"
     if cuda:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the shared machines
+        nvlink_multicast_off()
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
