@@ -4,7 +4,7 @@ direct path, same process. Runs on the GPU machine:
     bash scripts/gpu_run.sh --exec "python3 scripts/op_overhead.py"
   latency_us        host + device time of one call with an idle GPU (synchronize before and after), median of 300
   b2b_us            GPU time per call of 200 calls back to back with the host ahead, median of 5 rounds
-  train_step_us     batch-2048 forward + backward (every parameter's gradient), GPU time per step of 10, median of 3
+  train_step_us     batch-2048 forward + backward (every parameter's gradient), GPU time per step of 10, median of 7 interleaved rounds
 """
 import statistics
 import time
@@ -57,10 +57,15 @@ def main():
     steps = {"module": lambda: enc(xt).backward(dy),
              "op": lambda: torch.ops.kfuse.encoder_forward(xt, params, *CFG, True).backward(dy)}
     rows["op_fwd"]["train_step_us"] = float("nan")
-    for name, fn in steps.items():
+    for fn in steps.values():
         for _ in range(3):
             fn()
-        rows[name]["train_step_us"] = statistics.median(gpu_us(fn, 10) for _ in range(3))
+    samples = {name: [] for name in steps}
+    for _ in range(7):  # interleaved rounds, so that clock and thermal drift reach both sides alike
+        for name, fn in steps.items():
+            samples[name].append(gpu_us(fn, 10))
+    for name in steps:
+        rows[name]["train_step_us"] = statistics.median(samples[name])
     print(f"[op overhead] {torch.cuda.get_device_name()}, batch 128 inference / 2048 training, fp16")
     for name, r in rows.items():
         print(f"  {name:7} " + "  ".join(f"{k} {v:8.1f}" for k, v in r.items()))

@@ -5,7 +5,7 @@ weights are used), with fake (meta) implementations for tracing and autograd for
     torch.ops.kfuse.encoder_infer(x, params, in_channels, base_planes, layers) -> y       (not differentiable)
     torch.ops.kfuse.encoder_forward(x, params, in_channels, base_planes, layers, training) -> y
     torch.ops.kfuse.encoder_backward(x, params, grad_output, in_channels, base_planes, layers, input_grad,
-                                     output=None) -> [grad of every parameter..., grad_x if input_grad]
+                                     output=None) -> [every parameter's gradient, flat, grad_x if input_grad]
 
 `params` are the encoder's parameters in bps-nav's state_dict order (kfuse.ResNetEncoder.parameters()); the output
 has their dtype. CPU: kfuse's C++ reference (float32 storage with float64 sums, or float64). CUDA: kfuse's engines,
@@ -182,14 +182,15 @@ def _cuda_call(entry, x: Tensor, params: list[Tensor], config):
     return gpu, known[0], torch.empty(known[1], dtype=params[0].dtype, device=x.device)
 
 
-def _split_gradients(flat: Tensor, params: list[Tensor]) -> list[Tensor]:
-    """One gradient tensor per parameter, in its dtype, from the kernels' flat fp32 buffer (an op's outputs must not
-    alias each other): one cast, then one multi-tensor copy (a copy that also casts takes a launch per tensor)."""
-    flat = flat.to(params[0].dtype)
-    out = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
-    torch._foreach_copy_(out, [g.view(p.shape) for g, p in zip(torch.split(flat, [p.numel() for p in params]),
-                                                                params)])
-    return out
+def _flat_gradient_fake(params: list[Tensor]) -> Tensor:
+    """The backward ops return every parameter's gradient in one flat tensor of the parameters' dtype, in their
+    order: the kernels write one buffer, and an op's outputs may not alias each other, so per-parameter outputs would
+    cost a copy of all of them; the autograd formulas hand autograd views of it (_per_parameter)."""
+    return params[0].new_empty(sum(p.numel() for p in params))
+
+
+def _per_parameter(flat: Tensor, params: list[Tensor]) -> list[Tensor]:
+    return [g.view(p.shape) for g, p in zip(torch.split(flat, [p.numel() for p in params]), params)]
 
 
 def _stream(x: Tensor) -> int:
@@ -219,12 +220,12 @@ def encoder_backward(x: Tensor, params: list[Tensor], grad_output: Tensor, in_ch
     grad_x = torch.empty_like(x, memory_format=torch.contiguous_format) if input_grad else None
     _C.reference_backward(config, [p.detach().contiguous() for p in params], x.detach().contiguous(),
                           grad_output.detach().to(x.dtype).contiguous(), grads, grad_x)
-    return grads + ([grad_x] if input_grad else [])
+    return [torch.cat([g.reshape(-1) for g in grads])] + ([grad_x] if input_grad else [])
 
 
 @encoder_backward.register_fake
 def _encoder_backward_fake(x, params, grad_output, in_channels, base_planes, layers, input_grad, output=None):
-    return [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params] + (
+    return [_flat_gradient_fake(params)] + (
         [torch.empty_like(x, memory_format=torch.contiguous_format)] if input_grad else [])
 
 
@@ -246,7 +247,7 @@ def _encoder_backward_cuda(x, params, grad_output, in_channels, base_planes, lay
     grads = torch.empty(sum(sizes), dtype=torch.float32, device=x.device)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if input_grad else None
     gpu.backward(stash, x, dy, grads, dx, stream)
-    return _split_gradients(grads, params) + ([dx] if input_grad else [])
+    return [grads.to(params[0].dtype)] + ([dx] if input_grad else [])
 
 
 def _forward_setup(ctx, inputs, output):
@@ -259,7 +260,7 @@ def _forward_backward(ctx, grad_output):
     x, output, *params = ctx.saved_tensors
     input_grad = ctx.needs_input_grad[0]
     out = encoder_backward(x, params, grad_output, *ctx.config, input_grad, output)
-    return (out[-1] if input_grad else None), out[: len(params)], None, None, None, None
+    return (out[1] if input_grad else None), _per_parameter(out[0], params), None, None, None, None
 
 
 encoder_forward.register_autograd(_forward_backward, setup_context=_forward_setup)
@@ -267,7 +268,8 @@ encoder_forward.register_autograd(_forward_backward, setup_context=_forward_setu
 
 # -- the fused MLP ----------------------------------------------------------------------------------------------------
 #     torch.ops.kfuse.mlp_forward(x, params, module_uid, training) -> y
-#     torch.ops.kfuse.mlp_backward(x, params, grad_output, module_uid, input_grad, output) -> [grads..., grad_x]
+#     torch.ops.kfuse.mlp_backward(x, params, grad_output, module_uid, input_grad, output)
+#         -> [every parameter's gradient, flat, grad_x if input_grad]
 # x: (batch, input_width); params: the layers' weights and biases in nn.Sequential's order; the output has the
 # compute dtype (the parameters' for float16 / bfloat16, else float16). module_uid names the kfuse.FusedMLP whose
 # configuration, generated kernels and tuned variants the ops use (process-local, as its kernels are); the weights
@@ -367,13 +369,12 @@ def mlp_backward(x: Tensor, params: list[Tensor], grad_output: Tensor, module_ui
     engine.backward_raw(packed.data_ptr(), x.data_ptr(), y.data_ptr(), dy.data_ptr(), stash.data_ptr(),
                         workspace.data_ptr(), grads.data_ptr(), grad_dtype != torch.float32,
                         0 if dx is None else dx.data_ptr(), x.shape[0], stream)
-    return _split_gradients(grads, params) + ([dx] if input_grad else [])
+    return [grads] + ([dx] if input_grad else [])
 
 
 @mlp_backward.register_fake
 def _mlp_backward_fake(x, params, grad_output, module_uid, input_grad, output):
-    return [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params] + (
-        [x.new_empty(x.shape, dtype=_mlp_compute(params))] if input_grad else [])
+    return [_flat_gradient_fake(params)] + ([x.new_empty(x.shape, dtype=_mlp_compute(params))] if input_grad else [])
 
 
 def _mlp_setup(ctx, inputs, output):
@@ -387,8 +388,8 @@ def _mlp_backward_formula(ctx, grad_output):
     x, output, *params = ctx.saved_tensors
     input_grad = ctx.needs_input_grad[0]
     out = mlp_backward(x, params, grad_output, ctx.module_uid, input_grad, output)
-    dx = out[-1].to(ctx.x_dtype) if input_grad else None
-    return dx, out[: len(params)], None, None
+    dx = out[1].to(ctx.x_dtype) if input_grad else None
+    return dx, _per_parameter(out[0], params), None, None
 
 
 mlp_forward.register_autograd(_mlp_backward_formula, setup_context=_mlp_setup)
