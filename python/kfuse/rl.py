@@ -131,16 +131,31 @@ def _packed_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: 
     h0, c0 = hidden
     steps = z.shape[0] // n
     seq = episode_pieces(masks.detach().view(steps, n).cpu())
-    dev = z.device
-    padded = z[seq["gather"].to(dev)]  # (L, S, F); padding rows read row 0 and are never used
-    packed = nn.utils.rnn.pack_padded_sequence(padded, seq["lengths"], enforce_sorted=False)
-    env = seq["env"].to(dev)
-    keep = (masks.view(steps, n)[0].to(z.dtype)[env] * seq["first"].to(dev, z.dtype)).view(1, -1, 1)
+    lengths = seq.pop("lengths")
+    dev = _to_device(seq, z.device)  # one host-to-device copy for every index
+    padded = z.index_select(0, dev["gather"].view(-1)).view(*dev["gather"].shape, z.shape[1])  # (L, S, F)
+    # (index_select, not z[gather]: its backward adds rows atomically where advanced indexing's sorts them; the only
+    # repeated row is the padding's, whose gradient is zero, so the sums are exact in any order.)
+    packed = nn.utils.rnn.pack_padded_sequence(padded, lengths, enforce_sorted=False)
+    env = dev["env"]
+    keep = (masks.view(steps, n)[0].to(z.dtype)[env] * dev["first"].to(z.dtype)).view(1, -1, 1)
     out, (h, c) = rnn(packed, (h0[:, env] * keep, c0[:, env] * keep))
     out, _ = nn.utils.rnn.pad_packed_sequence(out, total_length=padded.shape[0])
-    o = out[seq["row"].to(dev), seq["col"].to(dev)]  # back to time-major (T*n, H)
-    last = seq["last"].to(dev)
+    o = out.reshape(-1, out.shape[2]).index_select(0, dev["row"] * out.shape[1] + dev["col"])  # time-major (T*n, H)
+    last = dev["last"]
     return o, (h[:, last], c[:, last])
+
+
+def _to_device(seq: dict, device) -> dict:
+    """The index tensors of `seq` (long or bool, on the CPU) on `device`, copied in one transfer."""
+    flat = torch.cat([v.reshape(-1).long() for v in seq.values()])
+    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+    out, at = {}, 0
+    for k, v in seq.items():
+        piece = flat[at:at + v.numel()].view(v.shape)
+        out[k] = piece.bool() if v.dtype == torch.bool else piece
+        at += v.numel()
+    return out
 
 
 def episode_pieces(masks: torch.Tensor) -> dict:
@@ -293,7 +308,8 @@ class PPOTrainer:
         self.masters = [q.detach().float().clone().requires_grad_() for q in self.params]
         self.master_grads = [torch.empty_like(m) for m in self.masters]
         lr = self.cfg.lr * math.sqrt(num_envs * steps / 4096)  # scaled by the batch
-        self.optimizer = torch.optim.Adam(self.masters, lr=lr, eps=self.cfg.eps)
+        # (fused: one multi-tensor kernel for the whole step, as users of large fp32 masters configure it)
+        self.optimizer = torch.optim.Adam(self.masters, lr=lr, eps=self.cfg.eps, fused=self.device.type == "cuda")
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
         self.storage = RolloutStorage(steps, num_envs, self.device, dtype=self.dtype)
         self.hidden = policy.initial_hidden(num_envs)
