@@ -42,7 +42,7 @@ std::string cat(const Args&... args) {
   return os.str();
 }
 
-// The fixed device helpers every module starts with (mlp_device_library.cpp).
+// The fixed device helpers every module starts with (mlp_device_library.cpp, device/mlp_device_library.cuh).
 const char* mlp_device_library();
 
 // The name of layer l's activation functor in the generated source (f(x) and df(x, y) as static members).

@@ -1,6 +1,6 @@
 // Writes the CUDA source of one fused MLP: constants for its widths, one functor per layer activation, and the
 // kernels as straight-line code per layer (every size a compile-time constant, so every fragment array stays in
-// registers). See mlp_codegen.h for the kernels and mlp_device_library.cpp for the helpers they call.
+// registers). See mlp_codegen.h for the kernels and device/mlp_device_library.cuh for the helpers they call.
 //
 // Weights reach the tensor cores through shared memory in one of two ways (MlpVariant::weights_resident):
 //   resident: the CTA copies all layers once and then loops over row blocks (persistent CTAs); no barrier inside

@@ -13,6 +13,21 @@ list(APPEND KFUSE_CORE_SOURCES
   codegen/mlp_wgmma_stream_forward.cpp
   codegen/mlp_wgmma_backward.cpp
   codegen/kernel_cache.cpp)
+# The device code the generated modules hold (codegen/device/*.cuh) as string constants of the library: each file's
+# text goes verbatim into a raw string literal of device_code.cpp (codegen/device/device_code.h). Editing a file
+# configures again.
+foreach(name mlp_device_library wgmma_library wgmma_stream_chunk wgmma_layers)
+  set(device_file ${CMAKE_CURRENT_SOURCE_DIR}/codegen/device/${name}.cuh)
+  file(READ ${device_file} KFUSE_DEVICE_${name})
+  string(FIND "${KFUSE_DEVICE_${name}}" ")KFUSE_DEVICE\"" delimiter_at)
+  if(NOT delimiter_at EQUAL -1)
+    message(FATAL_ERROR "kfuse: ${device_file} contains the raw-string delimiter )KFUSE_DEVICE\" of device_code.cpp.in")
+  endif()
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${device_file})
+endforeach()
+configure_file(${CMAKE_CURRENT_SOURCE_DIR}/codegen/device/device_code.cpp.in
+  ${CMAKE_CURRENT_BINARY_DIR}/codegen/device_code.cpp @ONLY)
+list(APPEND KFUSE_CORE_SOURCES ${CMAKE_CURRENT_BINARY_DIR}/codegen/device_code.cpp)
 set(KFUSE_CODEGEN_LIBS "")
 if(KFUSE_WITH_CUDA)
   list(APPEND KFUSE_CORE_SOURCES
