@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -105,30 +106,17 @@ class EncoderGpu {
   // concurrently); off for good if a capture with it ever fails.
   bool uses_programmatic_launch() const;
 
-  // How many blocks of the inference forward on H x W inputs run as one fused kernel each (conv1, conv2 and the
-  // squeeze-excite of a 64-channel identity-shortcut block with its image on chip: block 1 at up to 64 x 64 inputs).
-  // Where the device has the shared memory for it (227 KB per block: Hopper), unless options.fused_blocks is off.
-  int fused_block_count(int h, int w) const;
-  // How many of those run as the Hopper warpgroup-MMA kernel (compute capability 9.0, 16 x 16 maps: 64 x 64 inputs),
-  // which the training forward also uses (writing the backward's stash), unless options.wgmma_blocks (or fused_blocks) is off.
-  int wgmma_block_count(int h, int w) const;
-  // How many downsampling blocks of the inference forward on h x w inputs run as one Hopper warpgroup-MMA kernel each
-  // (kernels::launch_fused_down_block_wgmma: 64 -> 128 channels at 16 x 16 input maps and 128 -> 256 at 8 x 8, i.e.
-  // blocks 2 and 3 of the default network at 64 x 64), as options.fused_down says (0: none;
-  // 2: block 2's shape only).
-  int down_block_count(int h, int w) const;
-  // How many blocks of the inference forward on n x C x h x w inputs have conv2's GEMM compute their squeeze-excite's
-  // fc1 pre-activations (kernels::launch_squeeze_projection: the last block, when its conv2 runs as the dense GEMM
-  // from a prepared filter, n at most the SM count), as decided at that geometry's first forward; 0 before it or
-  // where options.se_projection is off.
-  int squeeze_projection_count(int n, int h, int w) const;
-  // Whether the inference forward on n x C x h x w inputs computes the stem inside block 1's warpgroup-MMA kernel
-  // (each CTA the stem of its own image: n at most the SM count), unless options.fused_stem is off.
-  bool stem_in_block(int n, int h, int w) const;
-  // How many blocks of the training step on n x C x h x w inputs run conv1 with its FixUp epilogue as one cuDNN graph
-  // (and how many also conv2's data gradient with the ReLU mask), as decided at that geometry's first forward_train;
-  // {0, 0} before it. options.cudnn_fused chooses: 1 where the tuner runs conv1 in cuDNN, 2 all, or 0.
-  std::pair<int, int> cudnn_fused_count(int n, int h, int w) const;
+  // Which kernels run: the launch plan of the inference forward (training false) or of the training step on
+  // n x C x h x w inputs, one entry per step in launch order. "stem" where the stem kernel runs; per block
+  // "block<i>:" (from 1) and its route: "fused_block" (conv1, conv2 and the squeeze-excite as one kernel with the
+  // image on chip), "fused_block_wgmma" (the Hopper warpgroup-MMA one; "+stem" where it computes the stem as well),
+  // "fused_down_block" (a downsampling block as one kernel), or its kernels, comma-separated: "shortcut" (on a side
+  // branch), "conv1" or "conv1_cudnn_graph" (with its FixUp epilogue, one cuDNN graph), "conv2" or
+  // "conv2_squeeze_projection" (its GEMM also computes the squeeze-excite's fc1), "squeeze_excite". The training
+  // step's entries then list its backward, last block first: "block<i>:backward", or
+  // "block<i>:backward_dgrad2_cudnn_graph" where conv2's data gradient and the ReLU mask run as one cuDNN graph.
+  // Choices made at a geometry's first forward (tuning, prepared filters, cuDNN graphs) show once it ran.
+  std::vector<std::string> launch_plan(int n, int h, int w, bool training = false) const;
 
   struct Impl;  // opaque (src/runtime/encoder_gpu_impl.h)
 

@@ -433,19 +433,9 @@ NB_MODULE(_C, m) {
       .def("set_use_graphs", &EncoderGpu::set_use_graphs, "on"_a)
       .def_prop_ro("graph_count", &EncoderGpu::graph_count)
       .def_prop_ro("uses_programmatic_launch", &EncoderGpu::uses_programmatic_launch)
-      .def("fused_block_count", &EncoderGpu::fused_block_count, "h"_a, "w"_a,
-           "How many blocks of the inference forward on h x w inputs run as one fused kernel each")
-      .def("wgmma_block_count", &EncoderGpu::wgmma_block_count, "h"_a, "w"_a,
-           "How many of those run as the Hopper warpgroup-MMA kernel (also in the training forward)")
-      .def("down_block_count", &EncoderGpu::down_block_count, "h"_a, "w"_a,
-           "How many downsampling blocks of the inference forward on h x w inputs run as one fused kernel each")
-      .def("squeeze_projection_count", &EncoderGpu::squeeze_projection_count, "n"_a, "h"_a, "w"_a,
-           "How many blocks of that geometry's inference forward compute fc1's pre-activations in conv2's GEMM")
-      .def("stem_in_block", &EncoderGpu::stem_in_block, "n"_a, "h"_a, "w"_a,
-           "Whether the inference forward on n x C x h x w inputs computes the stem inside block 1's kernel")
-      .def("cudnn_fused_count", &EncoderGpu::cudnn_fused_count, "n"_a, "h"_a, "w"_a,
-           "(blocks whose conv1 + FixUp epilogue, blocks whose conv2 data gradient + ReLU mask) run as cuDNN graphs "
-           "in the training step of that geometry");
+      .def("launch_plan", &EncoderGpu::launch_plan, "n"_a, "h"_a, "w"_a, "training"_a = false,
+           "Which kernels run: one entry per step of the inference forward (or of the training step) on n x C x h x w "
+           "inputs, e.g. 'stem', 'block1:fused_block_wgmma', 'block4:conv1,conv2_squeeze_projection,squeeze_excite'");
 #endif
 
   bind_mlp(m);

@@ -12,32 +12,29 @@ namespace kfuse {
 
 void EncoderGpu::Impl::launch(const Geometry& g, Activations& act, const kernels::StemArgs& stem_args,
                               kernels::SqueezeExciteArgs tail, cudaStream_t stream, CapturedEnds* ends) {
-  const bool stem_fused = stem_in_block(g, act.training);
-  if (!stem_fused) {
+  const ForwardPlan plan = plan_forward(g, act);
+  if (plan.stem_kernel) {
     check_cuda(kernels::launch_stem(stem_args, dtype, stream), "stem kernel");
     if (ends) ends->stem = last_captured_node(stream);
   }
-  const bool fused_cudnn = std::any_of(act.h.begin(), act.h.end(), [](void* p) { return p != nullptr; });
-  const bool chain = use_pdl && !any_cudnn(g, act.training) && !fused_cudnn;
+  const bool chain = plan.programmatic_chain;
   kernels::PdlScope programmatic(chain);
-  int h = g.h / 4, w = g.w / 4;
   for (size_t i = 0; i < blocks.size(); ++i) {
-    const kernels::StemArgs* stem = i == 0 && stem_fused ? &stem_args : nullptr;
-    if (!launch_fused_block(g, act, i, h, w, stem, chain, stream, ends) &&
-        !launch_fused_down_block(g, act, i, h, w, chain, stream))
-      launch_block_kernels(g, act, i, h, w, tail, chain, stream);
-    h /= blocks[i].stride;
-    w /= blocks[i].stride;
+    const BlockStep& s = plan.blocks[i];
+    switch (s.route) {
+      case BlockRoute::kFusedBlock:
+      case BlockRoute::kFusedBlockWgmma: launch_fused_block(g, act, i, s, stem_args, chain, stream, ends); break;
+      case BlockRoute::kFusedDownBlock: launch_fused_down_block(g, act, i, s, chain, stream); break;
+      case BlockRoute::kKernels: launch_block_kernels(g, act, i, s, tail, chain, stream); break;
+    }
   }
   if (ends) ends->tail = last_captured_node(stream);
 }
 
-bool EncoderGpu::Impl::launch_fused_block(const Geometry& g, Activations& act, size_t i, int h, int w,
-                                          const kernels::StemArgs* stem_args, bool chain, cudaStream_t stream,
+void EncoderGpu::Impl::launch_fused_block(const Geometry& g, Activations& act, size_t i, const BlockStep& s,
+                                          const kernels::StemArgs& stem_args, bool chain, cudaStream_t stream,
                                           CapturedEnds* ends) {
-  // The training forward's fused block writes the backward's stash (h where kept, h2, conv2's raw output).
-  const bool wgmma = wgmma_block_applies(i, h, w) && (!act.training || act.conv2_raw);
-  if (!wgmma && (act.training || !fused_block_applies(i, h, w))) return false;
+  const bool wgmma = s.route == BlockRoute::kFusedBlockWgmma;
   const auto& b = blocks[i];
   const BlockWeights& W = bw[i];
   kernels::FusedBlockArgs fb;
@@ -52,29 +49,27 @@ bool EncoderGpu::Impl::launch_fused_block(const Geometry& g, Activations& act, s
   fb.fc2_b = fptr(W.fc2_b);
   fb.planes = b.planes;
   fb.hidden = b.se_hidden;
-  fb.n = g.n, fb.h = h, fb.w = w;
+  fb.n = g.n, fb.h = s.h, fb.w = s.w;
   fb.a_next = act.a[i + 1];
   fb.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
   if (!blocks[i + 1].has_downsample) fb.y = act.x[i + 1];
   if (!act.y.empty() && act.y[i]) fb.y = act.y[i];
-  if (act.training) {
+  if (act.training) {  // the backward's stash
     fb.h_out = i < act.h.size() ? act.h[i] : nullptr;
     fb.h2_out = act.h2[i];
     fb.v_out = act.o[i];
   }
-  if (stem_args) fb.a = nullptr, fb.stem = *stem_args;
-  kernels::PdlScope fused_scope(chain && !stem_args);  // with the stem: the graph's first kernel, nothing before it
+  if (s.with_stem) fb.a = nullptr, fb.stem = stem_args;
+  kernels::PdlScope fused_scope(chain && !s.with_stem);  // with the stem: the graph's first kernel, nothing before it
   if (wgmma)
     check_cuda(kernels::launch_fused_block_wgmma(fb, dtype, sm_count, stream), "fused block kernel (wgmma)");
   else
     check_cuda(kernels::launch_fused_block(fb, dtype, stream), "fused block kernel");
-  if (stem_args && ends) ends->stem = last_captured_node(stream), ends->stem_in_block = true;
-  return true;
+  if (s.with_stem && ends) ends->stem = last_captured_node(stream), ends->stem_in_block = true;
 }
 
-bool EncoderGpu::Impl::launch_fused_down_block(const Geometry& g, Activations& act, size_t i, int h, int w, bool chain,
-                                               cudaStream_t stream) {
-  if (act.training || !down_block_applies(i, h, w)) return false;
+void EncoderGpu::Impl::launch_fused_down_block(const Geometry& g, Activations& act, size_t i, const BlockStep& s,
+                                               bool chain, cudaStream_t stream) {
   const auto& b = blocks[i];
   const BlockWeights& W = bw[i];
   kernels::FusedDownBlockArgs db;
@@ -86,7 +81,7 @@ bool EncoderGpu::Impl::launch_fused_down_block(const Geometry& g, Activations& a
   db.fc2_w = fptr(W.fc2_w);
   db.fc2_b = fptr(W.fc2_b);
   db.in_planes = b.in_planes, db.planes = b.planes, db.hidden = b.se_hidden;
-  db.n = g.n, db.h = h, db.w = w;
+  db.n = g.n, db.h = s.h, db.w = s.w;
   db.a_next = act.a[i + 1];
   db.next_b1a = fptr(bw[i + 1].scalars) + kB1a;
   if (!blocks[i + 1].has_downsample) db.y = act.x[i + 1];
@@ -97,17 +92,17 @@ bool EncoderGpu::Impl::launch_fused_down_block(const Geometry& g, Activations& a
   // 94.8 against 82.4 us back to back (H100, not understood). Only inside a programmatic chain.
   kernels::PdlScope down_scope(chain);
   check_cuda(kernels::launch_fused_down_block_wgmma(db, dtype, stream), "fused downsampling block kernel");
-  return true;
 }
 
-void EncoderGpu::Impl::launch_block_kernels(const Geometry& g, Activations& act, size_t i, int h, int w,
+void EncoderGpu::Impl::launch_block_kernels(const Geometry& g, Activations& act, size_t i, const BlockStep& step,
                                             const kernels::SqueezeExciteArgs& tail, bool chain, cudaStream_t stream) {
   const auto& b = blocks[i];
   const BlockWeights& W = bw[i];
   const float* s = fptr(W.scalars);
+  const int h = step.h, w = step.w;
   const auto probs = problems(b, g.n, h, w);
   // The shortcut as a convolution on a side branch, beside conv1 and conv2.
-  const bool side_branch = b.has_downsample;
+  const bool side_branch = step.shortcut_side_branch;
   if (side_branch) {  // fork: the shortcut needs only a[i], like conv1
     kernels::PdlScope off(false);
     ensure_side_stream();
@@ -118,7 +113,7 @@ void EncoderGpu::Impl::launch_block_kernels(const Geometry& g, Activations& act,
     check_cuda(cudaEventRecord(join_events[i], side), "cudaEventRecord");
   }
   kernels::FixupEpilogue e1{nullptr, s + kB1b, s + kB2a, true};  // h + b2a = relu(acc + b1b) + b2a
-  if (i < act.h.size() && act.h[i]) {
+  if (step.conv1_cudnn_graph) {
     check_cuda(kernels::cudnn_fused_conv_relu(probs[0], dtype, act.a[i], wptr(W.conv1), s + kB1b, s + kB2a, act.h[i],
                                               act.h2[i], stream),
                "conv1 with its FixUp epilogue (cuDNN graph, " + conv_shape_key(probs[0]) + ")");
@@ -132,7 +127,7 @@ void EncoderGpu::Impl::launch_block_kernels(const Geometry& g, Activations& act,
   kernels::FixupEpilogue e2{s + kScale, s + kB2b, nullptr, false};
   if (raw2) e2 = kernels::FixupEpilogue{};
   // The last block's conv2 with the squeeze projection's rows (fc1's pre-activations after each image's o).
-  const PreparedFilter* proj = act.training ? nullptr : squeeze_projection_for(i, probs[1]);
+  const PreparedFilter* proj = step.conv2_squeeze_projection ? squeeze_projection_for(i, probs[1]) : nullptr;
   if (proj) {
     void* ws = conv_workspace;  // the main stream's half
     check_cuda(kernels::dense_conv_fprop_unrolled(probs[1], dtype, act.h2[i], proj->data, act.o[i], ws,

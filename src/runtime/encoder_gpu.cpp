@@ -133,48 +133,6 @@ std::vector<OpTuningReport> EncoderGpu::tune(int n, int h, int w, TuningMode mod
 void EncoderGpu::set_use_graphs(bool on) { impl_->use_graphs = on; }
 size_t EncoderGpu::graph_count() const { return impl_->graphs.size() + impl_->train_graphs.graph_count(); }
 bool EncoderGpu::uses_programmatic_launch() const { return impl_->use_pdl; }
-namespace {
-// How many blocks of the inference forward on h x w inputs satisfy applies(block index, its input's h, w).
-template <class Applies>
-int count_blocks(const EncoderGpu::Impl& m, int h, int w, Applies applies) {
-  m.config.output_shape({1, m.config.in_channels, h, w});  // validates H and W
-  int count = 0;
-  h /= 4, w /= 4;
-  for (size_t i = 0; i < m.blocks.size(); ++i) {
-    count += applies(i, h, w) ? 1 : 0;
-    h /= m.blocks[i].stride, w /= m.blocks[i].stride;
-  }
-  return count;
-}
-}  // namespace
-
-int EncoderGpu::fused_block_count(int h, int w) const {
-  const Impl& m = *impl_;
-  return count_blocks(m, h, w, [&](size_t i, int bh, int bw) {
-    return m.fused_block_applies(i, bh, bw) || m.wgmma_block_applies(i, bh, bw);
-  });
-}
-int EncoderGpu::wgmma_block_count(int h, int w) const {
-  const Impl& m = *impl_;
-  return count_blocks(m, h, w, [&](size_t i, int bh, int bw) { return m.wgmma_block_applies(i, bh, bw); });
-}
-int EncoderGpu::down_block_count(int h, int w) const {
-  const Impl& m = *impl_;
-  return count_blocks(m, h, w, [&](size_t i, int bh, int bw) { return m.down_block_applies(i, bh, bw); });
-}
-int EncoderGpu::squeeze_projection_count(int n, int h, int w) const {
-  const Impl& m = *impl_;
-  KFUSE_CHECK(n >= 1, InvalidArgument, "squeeze_projection_count: n must be >= 1, got ", n);
-  return count_blocks(m, h, w, [&](size_t i, int bh, int bw) {
-    return m.squeeze_projection_for(i, m.problems(m.blocks[i], n, bh, bw)[1]) != nullptr;
-  });
-}
-bool EncoderGpu::stem_in_block(int n, int h, int w) const {
-  const Impl& m = *impl_;
-  KFUSE_CHECK(n >= 1, InvalidArgument, "stem_in_block: n must be >= 1, got ", n);
-  m.config.output_shape({1, m.config.in_channels, h, w});  // validates H and W
-  return m.stem_in_block(Geometry{n, h, w}, /*training=*/false);
-}
 
 void EncoderGpu::set_weights(const EncoderParams<float>& params) {
   Impl& m = *impl_;

@@ -25,6 +25,7 @@
 #include "runtime/device_guard.h"
 #include "runtime/launch_graph_cache.h"
 #include "kfuse/encoder_options.h"
+#include "runtime/encoder_forward_plan.h"
 #include "runtime/encoder_weight_layout.h"
 #include "runtime/weight_watch.h"
 #include "runtime/half_bits.h"
@@ -449,6 +450,10 @@ struct EncoderGpu::Impl {
     return fuse_stem && !training && g.n <= sm_count && wgmma_block_applies(0, g.h / 4, g.w / 4);
   }
 
+  // The forward's launch sequence on the buffers `act` (runtime/encoder_forward_plan.cpp): what launch() runs.
+  ForwardPlan plan_forward(const Geometry& g, const Activations& act) const;
+  BlockStep plan_block(const Geometry& g, const Activations& act, size_t i, int h, int w, bool stem_fused) const;
+
   // Launches the whole forward on `stream` (also used under stream capture); runtime/encoder_forward.cpp.
   void launch(const Geometry& g, const kernels::StemArgs& stem_args, kernels::SqueezeExciteArgs tail,
               cudaStream_t stream, CapturedEnds* ends = nullptr) {
@@ -458,14 +463,14 @@ struct EncoderGpu::Impl {
   void launch(const Geometry& g, Activations& act, const kernels::StemArgs& stem_args,
               kernels::SqueezeExciteArgs tail, cudaStream_t stream, CapturedEnds* ends = nullptr);
 
-  // One block of launch(), on input maps of h x w: where block i runs as one fused kernel (a stride-1 block, with
-  // the stem where stem_args is given; a downsampling block), launches it and returns true.
-  bool launch_fused_block(const Geometry& g, Activations& act, size_t i, int h, int w,
-                          const kernels::StemArgs* stem_args, bool chain, cudaStream_t stream, CapturedEnds* ends);
-  bool launch_fused_down_block(const Geometry& g, Activations& act, size_t i, int h, int w, bool chain,
+  // One block of launch() as its plan step says: one fused kernel (a stride-1 block, with the stem where the step
+  // says so; a downsampling block) ...
+  void launch_fused_block(const Geometry& g, Activations& act, size_t i, const BlockStep& s,
+                          const kernels::StemArgs& stem_args, bool chain, cudaStream_t stream, CapturedEnds* ends);
+  void launch_fused_down_block(const Geometry& g, Activations& act, size_t i, const BlockStep& s, bool chain,
                                cudaStream_t stream);
-  // Otherwise: conv1 (the shortcut beside it on the side branch), conv2, then the squeeze-excite and join.
-  void launch_block_kernels(const Geometry& g, Activations& act, size_t i, int h, int w,
+  // ... or conv1 (the shortcut beside it on the side branch), conv2, then the squeeze-excite and join.
+  void launch_block_kernels(const Geometry& g, Activations& act, size_t i, const BlockStep& s,
                             const kernels::SqueezeExciteArgs& tail, bool chain, cudaStream_t stream);
   // The squeeze-excite's arguments for block i (raw2: conv2 wrote its raw output; proj: the squeeze projection's
   // filter, where conv2 computed fc1's pre-activations).

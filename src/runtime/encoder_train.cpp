@@ -464,19 +464,6 @@ std::vector<OpTuningReport> EncoderGpu::tune_training(int n, int h, int w, Tunin
   return rows;
 }
 
-std::pair<int, int> EncoderGpu::cudnn_fused_count(int n, int h, int w) const {
-  const Impl& m = *impl_;
-  if (!m.training) return {0, 0};
-  const auto it = m.training->buffers.find(Geometry{n, h, w});
-  if (it == m.training->buffers.end()) return {0, 0};
-  int fwd = 0, bwd = 0;
-  for (size_t i = 0; i < it->second.act.h.size(); ++i) {
-    fwd += it->second.act.h[i] != nullptr;
-    bwd += it->second.fused_dgrad[i] != 0;
-  }
-  return {fwd, bwd};
-}
-
 bool EncoderGpu::stash_valid(uint64_t stash) const {
   const Impl& m = *impl_;
   if (!m.training || stash == 0) return false;

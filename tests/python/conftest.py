@@ -42,6 +42,11 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
+def plan_count(engine, token: str, n: int, h: int, w: int, training: bool = False) -> int:
+    """How many steps of the engine's launch plan (EncoderGpu.launch_plan) name `token`."""
+    return sum(token in step for step in engine.launch_plan(n, h, w, training))
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Normwise relative error ||a - b|| / ||b|| in float64."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import plan_count, rel_err
 
 import kfuse
 from kfuse import _C
@@ -171,7 +171,7 @@ def test_fused_block_matches_separate_kernels(make_reference, monkeypatch, preci
 
     def chosen(engine, on):
         expected = 1 if on == "1" and fits and smem <= optin else 0
-        assert engine.fused_block_count(h, w) == expected, f"KFUSE_FUSED_BLOCK={on}"
+        assert plan_count(engine, "fused_block", n, h, w) == expected, f"KFUSE_FUSED_BLOCK={on}"
 
     outs = _forward_per_switch(monkeypatch, "KFUSE_FUSED_BLOCK", ("0", "1"), enc, precision, params, xd,
                                (n, 512, h // 32, w // 32), dtype, stream, chosen, calls=1)
@@ -236,7 +236,7 @@ def test_wgmma_block_matches_float64_reference(make_reference, monkeypatch, prec
     xd = x.cuda().to(dtype)
 
     def chosen(engine, on):
-        assert engine.wgmma_block_count(64, 64) == (1 if on == "1" and _hopper() else 0), f"KFUSE_WGMMA_BLOCK={on}"
+        assert plan_count(engine, "fused_block_wgmma", n, 64, 64) == (1 if on == "1" and _hopper() else 0), f"KFUSE_WGMMA_BLOCK={on}"
 
     outs = _forward_per_switch(monkeypatch, "KFUSE_WGMMA_BLOCK", ("0", "1"), enc, precision, params, xd,
                                (n, 512, 2, 2), dtype, stream, chosen, calls=2)
@@ -262,8 +262,8 @@ def test_fused_down_block_matches_float64_reference(make_reference, monkeypatch,
 
     def chosen(engine, on):
         fused = {"0": 0, "2": 1, "1": 2}[on] if _hopper() else 0
-        assert engine.down_block_count(64, 64) == fused, f"KFUSE_FUSED_DOWN={on}"
-        assert engine.down_block_count(96, 96) == 0
+        assert plan_count(engine, "fused_down_block", n, 64, 64) == fused, f"KFUSE_FUSED_DOWN={on}"
+        assert plan_count(engine, "fused_down_block", n, 96, 96) == 0
 
     outs = _forward_per_switch(monkeypatch, "KFUSE_FUSED_DOWN", ("0", "2", "1"), enc, precision, params, xd,
                                (n, 512, 2, 2), dtype, stream, chosen)
@@ -364,8 +364,8 @@ def test_fused_stem_matches_stem_kernel(make_reference, monkeypatch, precision, 
     def setup(engine, on):
         if norm is not None:
             engine.set_input_affine(*enc._uint8_affine())
-        assert engine.stem_in_block(n, 64, 64) == (on == "1" and _hopper()), f"KFUSE_FUSED_STEM={on}"
-        assert not engine.stem_in_block(sms + 1, 64, 64)
+        assert plan_count(engine, "+stem", n, 64, 64) == (on == "1" and _hopper()), f"KFUSE_FUSED_STEM={on}"
+        assert not plan_count(engine, "+stem", sms + 1, 64, 64)
 
     outs = _forward_per_switch(monkeypatch, "KFUSE_FUSED_STEM", ("0", "1"), enc, precision, params, x,
                                (n, 512, 2, 2), dtype, stream, setup, new_input_last=True)
@@ -499,7 +499,7 @@ def test_prepared_dense_filter_follows_new_weights(make_reference, tmp_path, mon
             assert not torch.isnan(y).any()
             assert rel_err(y, y_ref) <= TOL, f"weights {seed}, call {call}"
         engine = next(iter(enc._gpu_engines.values()))[0]
-        assert engine.squeeze_projection_count(8, 64, 64) == int(projection)
+        assert plan_count(engine, "conv2_squeeze_projection", 8, 64, 64) == int(projection)
 
 
 def test_tune_reports_every_convolution_and_is_cached(make_reference, tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import final_pre_activation, rel_err
+from conftest import final_pre_activation, plan_count, rel_err
 
 import kfuse
 
@@ -155,7 +155,8 @@ def test_cudnn_graph_epilogues_match_float64_reference(make_reference, monkeypat
     y_ref, g_ref, _ = reference_grads(ref, x, dy)
     y, g, _ = kfuse_grads(enc, x.cuda().to(ref.stem[1].weight.dtype), dy.cuda())
     gpu = next(iter(enc._gpu_engines.values()))[0]
-    fwd, bwd = gpu.cudnn_fused_count(n, 64, 64)
+    fwd = plan_count(gpu, "conv1_cudnn_graph", n, 64, 64, training=True)
+    bwd = plan_count(gpu, "backward_dgrad2_cudnn_graph", n, 64, 64, training=True)
     assert fwd == 4 and bwd >= 3, f"cuDNN graphs in {fwd} forward / {bwd} backward blocks"  # block 4: maybe dense
     assert rel_err(y, y_ref) <= 1e-2
     assert_grads_close(g, g_ref, torch_mixed_grads(ref, x, dy, precision, realizations=3))
@@ -184,7 +185,7 @@ def test_wgmma_block_gradients_match_float64_reference(make_reference, monkeypat
         enc = kfuse.ResNetEncoder.from_torch(ref).cuda().train()
         runs[on] = kfuse_grads(enc, x.cuda().to(ref.stem[1].weight.dtype), dy.cuda())
         gpu = next(iter(enc._gpu_engines.values()))[0]
-        assert gpu.wgmma_block_count(64, 64) == int(on), f"KFUSE_WGMMA_BLOCK={on}"
+        assert plan_count(gpu, "fused_block_wgmma", n, 64, 64, training=True) == int(on), f"KFUSE_WGMMA_BLOCK={on}"
     mixed = torch_mixed_grads(ref, x, dy, precision, realizations=3)
     for on, (y, g, _) in runs.items():
         assert rel_err(y, y_ref) <= 1e-2, f"KFUSE_WGMMA_BLOCK={on}"
