@@ -33,7 +33,12 @@ IMPLS = ("kfuse", "kfuse-compile", "torch-jit-fp16", "torch-compile")
 def _trainer(impl: str, device, num_envs: int, steps: int, seed: int, dtype=torch.float16) -> PPOTrainer:
     encoder = "kfuse" if impl.startswith("kfuse") else "torch"
     policy = Policy(encoder=encoder, seed=seed).to(device, dtype)
-    trainer = PPOTrainer(policy, num_envs=num_envs, steps=steps, seed=seed)
+    return configure(PPOTrainer(policy, num_envs=num_envs, steps=steps, seed=seed), impl)
+
+
+def configure(trainer: PPOTrainer, impl: str) -> PPOTrainer:
+    """Scripts or compiles `trainer`'s policy as configuration `impl` does (its encoder chosen by the caller)."""
+    policy = trainer.policy
     if impl == "torch-jit-fp16":
         for name in ("encoder", "compress", "fc"):  # (a scripted nn.LSTM is callable only from TorchScript)
             setattr(policy, name, torch.jit.script(getattr(policy, name)))
@@ -42,7 +47,9 @@ def _trainer(impl: str, device, num_envs: int, steps: int, seed: int, dtype=torc
         # without it every step breaks the graph in two around an eager LSTM. The update's packed LSTM stays eager.
         torch._dynamo.config.allow_rnn = True
         trainer.act = _cloned_outputs(torch.compile(Actor(policy), mode="reduce-overhead"))
-        trainer.evaluate = torch.compile(policy)
+        # The update's module: the DistributedDataParallel wrapper where a process group is up (its backward
+        # all-reduces the gradients; Dynamo splits the graph at its buckets), else the policy.
+        trainer.evaluate = torch.compile(trainer.evaluate)
     return trainer
 
 

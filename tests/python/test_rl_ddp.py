@@ -12,7 +12,10 @@ from kfuse.bench_rl import nvlink_multicast_off, quiesce_process_group, spawn_wi
 WORLD = 2
 
 
-def _worker(rank: int, encoder: str, store: str, out: str, device_type: str = "cpu") -> None:
+def _worker(rank: int, impl: str, store: str, out: str, device_type: str = "cpu") -> None:
+    """impl: a configuration of the rl benchmark (kfuse.bench_rl.IMPLS), or an encoder ("kfuse", "torch") eager."""
+    from kfuse import bench_rl
+
     cuda = device_type == "cuda"
     if cuda:
         nvlink_multicast_off()
@@ -22,10 +25,12 @@ def _worker(rank: int, encoder: str, store: str, out: str, device_type: str = "c
                             device_id=device if cuda else None)
     try:
         torch.manual_seed(rank)
+        encoder = "kfuse" if impl.startswith("kfuse") else "torch"
         policy = rl.Policy(encoder=encoder, seed=3 + rank)  # rank 1 starts elsewhere: DDP's broadcast fixes that
         if cuda:
             policy = policy.to(device, torch.float16)
-        trainer = rl.PPOTrainer(policy, num_envs=8 if cuda else 2, steps=4 if cuda else 2, seed=5)
+        trainer = bench_rl.configure(rl.PPOTrainer(policy, num_envs=8 if cuda else 2, steps=4 if cuda else 2, seed=5),
+                                     impl)
         start = torch.cat([p.detach().float().flatten() for p in policy.parameters()]).cpu()
         rows = []
         for _ in range(2):
@@ -42,9 +47,9 @@ def _worker(rank: int, encoder: str, store: str, out: str, device_type: str = "c
         dist.destroy_process_group()
 
 
-def check_ranks_agree(encoder: str, tmp_path, device_type: str = "cpu") -> None:
+def check_ranks_agree(impl: str, tmp_path, device_type: str = "cpu") -> None:
     store, out = str(tmp_path / "store"), str(tmp_path / "out.pt")
-    spawn_with_deadline(_worker, (encoder, store, out, device_type), WORLD, timeout_s=300)
+    spawn_with_deadline(_worker, (impl, store, out, device_type), WORLD, timeout_s=300)
     result = torch.load(out)
     ref = rl.Policy(encoder="torch", seed=3)
     rank0_init = torch.cat([p.detach().flatten() for p in ref.parameters()])
@@ -61,6 +66,24 @@ def check_ranks_agree(encoder: str, tmp_path, device_type: str = "cpu") -> None:
 @pytest.mark.parametrize("encoder", ["kfuse", "torch"])
 def test_every_rank_holds_the_same_weights_after_each_update(encoder, tmp_path):
     check_ranks_agree(encoder, tmp_path)
+
+
+def test_compiled_configurations_compile_the_data_parallel_wrapper(tmp_path):
+    """With a process group up, the rl benchmark's compiled configurations compile the update through the
+    DistributedDataParallel wrapper: compiling the bare policy would skip the gradients' all-reduce, and each rank
+    would train alone."""
+    from kfuse import bench_rl
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for impl in ("kfuse-compile", "torch-compile"):
+            trainer = bench_rl._trainer(impl, "cpu", num_envs=2, steps=2, seed=0, dtype=torch.float32)
+            assert trainer.ddp is not None
+            assert trainer.evaluate._orig_mod is trainer.ddp, impl
+            trainer = None
+        quiesce_process_group()
+    finally:
+        dist.destroy_process_group()
 
 
 def _wait_forever(rank: int) -> None:
