@@ -14,6 +14,6 @@ pytestmark = pytest.mark.skipif(not kfuse.cuda_available() or torch.cuda.device_
                                 reason="needs two CUDA GPUs and a CUDA build of kfuse")
 
 
-@pytest.mark.parametrize("impl", ["kfuse", "torch", "kfuse-compile"])
+@pytest.mark.parametrize("impl", ["kfuse", "torch", "torch-jit-fp16", "kfuse-compile"])
 def test_every_rank_holds_the_same_weights_after_each_update_on_two_gpus(impl, tmp_path):
     check_ranks_agree(impl, tmp_path, device_type="cuda")

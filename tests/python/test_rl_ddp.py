@@ -63,9 +63,9 @@ def check_ranks_agree(impl: str, tmp_path, device_type: str = "cpu") -> None:
         previous = weights[0]
 
 
-@pytest.mark.parametrize("encoder", ["kfuse", "torch"])
-def test_every_rank_holds_the_same_weights_after_each_update(encoder, tmp_path):
-    check_ranks_agree(encoder, tmp_path)
+@pytest.mark.parametrize("impl", ["kfuse", "torch", "torch-jit-fp16"])
+def test_every_rank_holds_the_same_weights_after_each_update(impl, tmp_path):
+    check_ranks_agree(impl, tmp_path)
 
 
 def test_compiled_configurations_compile_the_data_parallel_wrapper(tmp_path):
