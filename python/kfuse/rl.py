@@ -301,7 +301,9 @@ class PPOTrainer:
         self.ddp = None
         if distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids)
+            # (gradient_as_bucket_view: the gradients are views of DDP's buckets, read in place by the all-reduce,
+            # instead of a copy of each into its bucket and another back after it)
+            self.ddp = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids, gradient_as_bucket_view=True)
         self.envs = SyntheticEnvs(num_envs, self.device, seed + 1000 * self.rank)
         self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 1 + 1000 * self.rank)
         self.params = [q for q in policy.parameters() if q.requires_grad]
