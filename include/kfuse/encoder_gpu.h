@@ -118,7 +118,7 @@ class EncoderGpu {
   // Choices made at a geometry's first forward (tuning, prepared filters, cuDNN graphs) show once it ran.
   std::vector<std::string> launch_plan(int n, int h, int w, bool training = false) const;
 
-  struct Impl;  // opaque (src/runtime/encoder_gpu_impl.h)
+  struct Impl;  // opaque (src/encoder/encoder_gpu_impl.h)
 
  private:
   std::unique_ptr<Impl> impl_;

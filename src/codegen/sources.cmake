@@ -33,8 +33,8 @@ if(KFUSE_WITH_CUDA)
   list(APPEND KFUSE_CORE_SOURCES
     codegen/nvrtc_compiler.cpp
     codegen/driver_api.cpp
-    runtime/mlp_gpu.cpp
-    runtime/mlp_tuning.cpp)
+    mlp/mlp_gpu.cpp
+    mlp/mlp_tuning.cpp)
   # NVRTC and cuBLAS are host libraries that load without a driver; the weight gradients are cuBLAS GEMMs.
   set(KFUSE_CODEGEN_LIBS CUDA::nvrtc CUDA::cublas)
 endif()

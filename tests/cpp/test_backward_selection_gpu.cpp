@@ -1,7 +1,7 @@
-// GPU tests of the training step's backward-convolution candidates (runtime/backward_conv_selection.h): every
+// GPU tests of the training step's backward-convolution candidates (encoder/backward_conv_selection.h): every
 // candidate the tuner may choose, kfuse's CUTLASS kernels and cuDNN's alike, against the float64 reference on random
 // non-zero inputs with a NaN-poisoned output; plus the CPU-side selection rules (no GPU needed).
-#include "runtime/backward_conv_selection.h"
+#include "encoder/backward_conv_selection.h"
 
 #include <gtest/gtest.h>
 

@@ -1,11 +1,11 @@
-// Host-only tests of the convolution candidates and heuristic (src/runtime/conv_selection.h): what the tuner may
+// Host-only tests of the convolution candidates and heuristic (src/encoder/conv_selection.h): what the tuner may
 // choose from, per device generation and dtype. No GPU needed (can_implement is a host check).
 #include <gtest/gtest.h>
 
 #include <set>
 
 #include "kernels/conv/dense_conv.h"
-#include "runtime/conv_selection.h"
+#include "encoder/conv_selection.h"
 
 namespace {
 

@@ -1,8 +1,8 @@
-// The forward plan's report (runtime/encoder_forward_plan.h), which EncoderGpu::launch_plan returns and the GPU tests
+// The forward plan's report (encoder/encoder_forward_plan.h), which EncoderGpu::launch_plan returns and the GPU tests
 // read to know which kernels ran: every route and option in its documented words.
 #include <gtest/gtest.h>
 
-#include "runtime/encoder_forward_plan.h"
+#include "encoder/encoder_forward_plan.h"
 
 namespace kfuse::gpu_detail {
 namespace {

@@ -1,8 +1,8 @@
-// GPU tests of the forward-convolution candidates (runtime/conv_selection.h): every configuration the tuner may
+// GPU tests of the forward-convolution candidates (encoder/conv_selection.h): every configuration the tuner may
 // choose for a FixUp convolution, kfuse's CUTLASS kernels and cuDNN's forward followed by the separate epilogue pass
 // alike, against the float64 reference on random non-zero inputs with non-trivial device scalars and a NaN-poisoned
 // output; plus the CPU-side naming of the cuDNN configurations.
-#include "runtime/conv_selection.h"
+#include "encoder/conv_selection.h"
 
 #include <gtest/gtest.h>
 

@@ -1,11 +1,11 @@
-// The parameters' fingerprint (kernels/param_fingerprint.h) and the weight watch built on it (runtime/weight_watch.h):
+// The parameters' fingerprint (kernels/param_fingerprint.h) and the weight watch built on it (encoder/weight_watch.h):
 // the chunk plan on the host (runs anywhere), and on a GPU that every single change of the watched bytes is seen
 // (first, middle and last word of an aligned region; a region at a 2-byte offset, as vector_to_parameters leaves
 // parameters; a swap of two words), that unchanged bytes are not, and that a captured check runs its repack body
 // exactly when the bytes changed.
 #include "kernels/param_fingerprint.h"
 #include "runtime/launch_graph_cache.h"
-#include "runtime/weight_watch.h"
+#include "encoder/weight_watch.h"
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

@@ -1,5 +1,5 @@
 // The forward's convolutions (EncoderGpu::Impl::conv), their tuning per geometry and their workspace.
-#include "runtime/encoder_gpu_impl.h"
+#include "encoder/encoder_gpu_impl.h"
 
 namespace kfuse {
 

@@ -1,9 +1,9 @@
 // The forward plan (encoder_forward_plan.h): made from the engine's options, the device, the tuner's choices and the
 // geometry's buffers, and reported by EncoderGpu::launch_plan.
-#include "runtime/encoder_forward_plan.h"
+#include "encoder/encoder_forward_plan.h"
 
-#include "runtime/encoder_gpu_impl.h"
-#include "runtime/encoder_training_state.h"
+#include "encoder/encoder_gpu_impl.h"
+#include "encoder/encoder_training_state.h"
 
 namespace kfuse {
 namespace gpu_detail {

@@ -1,6 +1,6 @@
 // The activation buffers of one input geometry (EncoderGpu::Impl::buffers): every block's tensors in one device
 // allocation, laid out once per geometry.
-#include "runtime/encoder_gpu_impl.h"
+#include "encoder/encoder_gpu_impl.h"
 
 namespace kfuse {
 

@@ -1,4 +1,4 @@
-#include "runtime/backward_conv_selection.h"
+#include "encoder/backward_conv_selection.h"
 
 #include <algorithm>
 #include <cmath>

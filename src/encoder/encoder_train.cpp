@@ -31,9 +31,9 @@
 #include "kernels/encoder/backward_kernels.h"
 #include "kernels/encoder/weight_layout.h"
 #include "kfuse/encoder_gpu.h"
-#include "runtime/backward_conv_selection.h"
-#include "runtime/encoder_gpu_impl.h"
-#include "runtime/encoder_training_state.h"
+#include "encoder/backward_conv_selection.h"
+#include "encoder/encoder_gpu_impl.h"
+#include "encoder/encoder_training_state.h"
 
 namespace kfuse {
 

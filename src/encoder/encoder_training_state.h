@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "kernels/encoder/weight_layout.h"
-#include "runtime/backward_conv_selection.h"
-#include "runtime/encoder_gpu_impl.h"
+#include "encoder/backward_conv_selection.h"
+#include "encoder/encoder_gpu_impl.h"
 
 namespace kfuse {
 

@@ -1,6 +1,6 @@
 // Filters prepared ahead of time for the inference forward (EncoderGpu::Impl::PreparedFilter): made per geometry,
 // remade in place when the weights change, with the last block's squeeze projection rows.
-#include "runtime/encoder_gpu_impl.h"
+#include "encoder/encoder_gpu_impl.h"
 
 namespace kfuse {
 

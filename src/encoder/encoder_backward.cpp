@@ -9,7 +9,7 @@
 #include "kernels/conv/conv_backward.h"
 #include "kernels/conv/cudnn_fused.h"
 #include "kernels/encoder/backward_kernels.h"
-#include "runtime/encoder_training_state.h"
+#include "encoder/encoder_training_state.h"
 
 namespace kfuse {
 

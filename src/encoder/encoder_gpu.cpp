@@ -5,7 +5,7 @@
 
 #include "core/dev_overrides.h"
 #include "kfuse/device.h"
-#include "runtime/encoder_gpu_impl.h"
+#include "encoder/encoder_gpu_impl.h"
 
 #include <cstdio>
 #include <cstdlib>

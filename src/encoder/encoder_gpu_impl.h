@@ -20,14 +20,14 @@
 #include "kernels/programmatic_launch.h"
 #include "kfuse/encoder_gpu.h"
 #include "kfuse/error.h"
-#include "runtime/conv_selection.h"
+#include "encoder/conv_selection.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
 #include "runtime/launch_graph_cache.h"
 #include "kfuse/encoder_options.h"
-#include "runtime/encoder_forward_plan.h"
-#include "runtime/encoder_weight_layout.h"
-#include "runtime/weight_watch.h"
+#include "encoder/encoder_forward_plan.h"
+#include "encoder/encoder_weight_layout.h"
+#include "encoder/weight_watch.h"
 #include "runtime/half_bits.h"
 
 namespace kfuse {
@@ -173,7 +173,7 @@ struct EncoderGpu::Impl {
   }
 
   // Parameters bound in device memory (set_weights_device): each forward and training forward starts with a check
-  // of their bytes on the device, and the repack below runs where they changed (runtime/weight_watch.h), so that no
+  // of their bytes on the device, and the repack below runs where they changed (encoder/weight_watch.h), so that no
   // write to a parameter can leave the packed weights stale. Two watches, each with verdicts of its own, so that a
   // change reaches both: the inference forward's repacks what a forward reads; the training forward's everything,
   // the backward's flipped filters too (9.4 of the default network's 21.9 MB of packed layouts, which the inference
@@ -450,11 +450,11 @@ struct EncoderGpu::Impl {
     return fuse_stem && !training && g.n <= sm_count && wgmma_block_applies(0, g.h / 4, g.w / 4);
   }
 
-  // The forward's launch sequence on the buffers `act` (runtime/encoder_forward_plan.cpp): what launch() runs.
+  // The forward's launch sequence on the buffers `act` (encoder/encoder_forward_plan.cpp): what launch() runs.
   ForwardPlan plan_forward(const Geometry& g, const Activations& act) const;
   BlockStep plan_block(const Geometry& g, const Activations& act, size_t i, int h, int w, bool stem_fused) const;
 
-  // Launches the whole forward on `stream` (also used under stream capture); runtime/encoder_forward.cpp.
+  // Launches the whole forward on `stream` (also used under stream capture); encoder/encoder_forward.cpp.
   void launch(const Geometry& g, const kernels::StemArgs& stem_args, kernels::SqueezeExciteArgs tail,
               cudaStream_t stream, CapturedEnds* ends = nullptr) {
     launch(g, buffers(g), stem_args, tail, stream, ends);

@@ -6,7 +6,7 @@
 // launches early and waits on the device (the kernels keep the contract of kernels/programmatic_launch.h). Not the
 // shortcut where it starts a side branch from an event, nor the squeeze-excite that joins it: a programmatic edge
 // joins one kernel to the next in a stream, and an event wait has no kernel of its own.
-#include "runtime/encoder_gpu_impl.h"
+#include "encoder/encoder_gpu_impl.h"
 
 namespace kfuse {
 

@@ -11,7 +11,7 @@
 #include "kernels/conv/conv_backward.h"
 #include "kernels/conv/conv_fixup.h"
 #include "kfuse/tuner.h"
-#include "runtime/conv_selection.h"
+#include "encoder/conv_selection.h"
 
 namespace kfuse {
 

@@ -1,4 +1,4 @@
-#include "runtime/conv_selection.h"
+#include "encoder/conv_selection.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "runtime/weight_watch.h"
+#include "encoder/weight_watch.h"
 
 #include <cstdio>
 #include <cstring>
