@@ -206,6 +206,310 @@ __device__ __forceinline__ void conv_taps(float (&acc)[32], uint32_t (&a)[2][8][
   release(kTaps - 1);
 }
 
+// The barriers (full and empty per ring stage, the shortcut's filter, image_ready, conv1_done, shortcut_done), the
+// ticket and the zero pixel. Returns the ticket once the CTA-wide barrier published it.
+__device__ __forceinline__ int init_barriers_and_ticket(unsigned* sync, unsigned char* smem, uint32_t full0,
+                                                        uint32_t zero, int tid) {
+  const uint32_t empty0 = full0 + 8 * kStages, sc_full = empty0 + 8 * kStages, image_ready = sc_full + 8,
+                 conv1_done = image_ready + 8, shortcut_done = conv1_done + 8;
+  if (tid == 0) {
+    // The ticket: CTAs take them in the order they start; atomicInc wraps to 0 after the grid's last one. Asked
+    // first: its round trip overlaps the barriers' initialization.
+    const unsigned ticket = atomicInc(sync, gridDim.x - 1);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(full0 + 8 * s, 1);
+      ptx::mbar_init(empty0 + 8 * s, 4);  // the 4 warps of the warpgroup that reads the chunk
+    }
+    ptx::mbar_init(sc_full, 1);
+    ptx::mbar_init(image_ready, kCompute / 32);
+    ptx::mbar_init(conv1_done, 4);
+    ptx::mbar_init(shortcut_done, 4);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    reinterpret_cast<unsigned*>(smem + kSeOff + kTicket)[0] = ticket;
+  }
+  if (tid < kZeroBytes / 16) sts128(zero + 16 * tid, make_uint4(0u, 0u, 0u, 0u));
+  __syncthreads();  // publishes the barriers' initialization and the ticket; the last CTA-wide barrier
+  return int(reinterpret_cast<const unsigned*>(smem + kSeOff + kTicket)[0]);
+}
+
+// The squeeze-excite's weights of this CTA's channels in the first cp.async group, waited for with the image.
+__device__ __forceinline__ void load_se_weights(const FusedDownBlockArgs& p, uint32_t fc, int rank, int tid) {
+  for (int i = tid; i < kHidden * kPr / 4; i += kCompute)  // fc1 columns 64 rank .. 64 rank + 63 of each row
+    ptx::cp_async16(fc + kFc1W + 16 * i, p.fc1_w + (i / (kPr / 4)) * kP + kPr * rank + 4 * (i % (kPr / 4)));
+  for (int i = tid; i < kPr * kHidden / 4; i += kCompute)
+    ptx::cp_async16(fc + kFc2W + 16 * i, p.fc2_w + kPr * kHidden * rank + 4 * i);
+  if (tid < kHidden / 4) ptx::cp_async16(fc + kFc1B + 16 * tid, p.fc1_b + 4 * tid);
+  if (tid < kPr / 4) ptx::cp_async16(fc + kFc2B + 16 * tid, p.fc2_b + kPr * rank + 4 * tid);
+  ptx::cp_async_commit();
+}
+
+// The group's 4 input images, swizzled (images past n: zeros; their rows are never stored).
+__device__ __forceinline__ void load_images(const FusedDownBlockArgs& p, int image0, uint32_t img,
+                                            uint32_t image_ready, int tid) {
+  const uint4* a_in = static_cast<const uint4*>(p.a);
+#pragma unroll 4
+  for (int k = 0; k < kImages * kInPix * 16 / kCompute; ++k) {
+    const int id = k * kCompute + tid, i = id >> 10, pix = (id >> 4) & 63, c = id & 15;
+    const uint32_t dst = img + (i * kInPix + pix) * kImgPix + ((c ^ img_swizzle(pix >> 3, pix & 7)) << 4);
+    if (image0 + i < p.n)
+      ptx::cp_async16(dst, a_in + (int64_t(image0 + i) * kInPix + pix) * 16 + c);
+    else
+      sts128(dst, make_uint4(0u, 0u, 0u, 0u));
+  }
+  ptx::cp_async_commit();
+  ptx::cp_async_wait<0>();
+  __syncwarp();
+  if ((tid & 31) == 0) ptx::mbar_arrive(image_ready);
+}
+
+// The filter ring as a compute warp sees it (chunk c >= 1 in stage (c - 1) % kStages).
+struct FilterRing {
+  uint32_t ring, full0, empty0;
+  int lane;
+  __device__ __forceinline__ static int slot_of(int c) { return (c - 1) % kStages; }
+  __device__ __forceinline__ uint32_t chunk(int c) const { return ring + slot_of(c) * kChunkBytes; }
+  __device__ __forceinline__ void wait(int c) const { ptx::mbar_wait(full0 + 8 * slot_of(c), ((c - 1) / kStages) & 1); }
+  // Once this warp's MMAs that read chunk c completed (after a wgmma wait): its stage may be refilled.
+  __device__ __forceinline__ void release(int c) const {
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(empty0 + 8 * slot_of(c));
+  }
+};
+
+// This lane's ldmatrix / stmatrix row: output pixel pl of image w4 (row 16 w4 + pl of M), and where its A rows of
+// conv1's (stride 2) and conv2's taps start.
+struct LaneRow {
+  int w4, pl, oy, ox, row;
+  __device__ __forceinline__ RowSource conv1(uint32_t img, uint32_t zero, int t) const {
+    const int iy = 2 * oy + t / 3 - 1, ix = 2 * ox + t % 3 - 1;
+    const uint32_t px = iy >= 0 && ix >= 0 ? img + (w4 * kInPix + iy * kInW + ix) * kImgPix : zero;
+    return RowSource{px, img_swizzle(iy, ix)};
+  }
+  __device__ __forceinline__ RowSource conv2(uint32_t h2, uint32_t zero, int t) const {
+    const int iy = oy + t / 3 - 1, ix = ox + t % 3 - 1;
+    const bool in = iy >= 0 && iy < kOutW && ix >= 0 && ix < kOutW;
+    return RowSource{in ? h2 + (w4 * kOutPix + iy * kOutW + ix) * kH2Pix : zero, map_swizzle(iy, ix)};
+  }
+};
+
+// Warpgroup 0: conv1 (chunks 1-9 of the ring), then h2 through stmatrix into this CTA's channels of the local h2
+// (lane l addresses row l % 8 of matrix l / 8: pixel pl, channel block 2 jj + hi), then to args.h2 and the group's
+// counter. Returns the counter's target (thread 0; 0 elsewhere).
+template <class T, bool kBf16>
+__device__ __forceinline__ unsigned conv1_and_publish_h2(const FusedDownBlockArgs& p, float (&acc)[32],
+                                                         uint32_t (&a)[2][8][4], const FilterRing& fr, LaneRow lr,
+                                                         uint32_t img, uint32_t zero, uint32_t h2, uint32_t conv1_done,
+                                                         float b1b, const FaithfulPost& h2_post, int rank, int group,
+                                                         int image0, int hi, int tid) {
+  const int lane = fr.lane;
+  unsigned h2_target = 0;
+  conv_taps<kBf16>(
+      acc, a, 0, hi, [&](int t) { return lr.conv1(img, zero, t); }, [&](int t) { return fr.chunk(1 + t); },
+      [&](int t) { fr.wait(1 + t); }, [&](int t) { fr.release(1 + t); });
+  __syncwarp();
+  if (lane == 0) ptx::mbar_arrive(conv1_done);
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    const int cb = 2 * jj + hi;
+    uint32_t r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      r[u] = relu_post_pair<T>(acc[8 * jj + 2 * u], acc[8 * jj + 2 * u + 1], b1b, h2_post);
+    }
+    ptx::stsm_x4(h2 + lr.row * kH2Pix + (((kPr / 8 * rank + cb) ^ (lr.pl & 7)) << 4), r);
+  }
+  __syncwarp();
+  // Each warp copies the rows it wrote (its image: 16 pixels x 8 chunks) and increments the counter itself (16
+  // increments per group and launch), so that the warpgroup needs no barrier of its own.
+  uint4* const h2_global = static_cast<uint4*>(p.h2);
+  const int image = image0 + lr.w4;
+#pragma unroll
+  for (int k = 0; k < kOutPix * 8 / 32; ++k) {
+    const int id = k * 32 + lane, px = 16 * lr.w4 + (id >> 3), j = id & 7;
+    if (image < p.n)
+      h2_global[(int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + kPr / 8 * rank + j] =
+          lds128(h2 + px * kH2Pix + (((kPr / 8 * rank + j) ^ (px & 7)) << 4));
+  }
+  __syncwarp();
+  if (lane == 0) {
+    const unsigned target = group_arrive(p.sync + 1 + 2 * group, kRanks * 4);
+    if (tid == 0) h2_target = target;
+  }
+  return h2_target;
+}
+
+// Warpgroup 1: the shortcut's taps on conv1's A fragments with the 1x1 filter (its own buffer, the same on every tap:
+// the pooled shortcut is the sum over the taps / 9), then the identity into its tile over the input image.
+template <class T, bool kBf16>
+__device__ __forceinline__ void shortcut_to_identity(float (&acc)[32], uint32_t (&a)[2][8][4], LaneRow lr,
+                                                     uint32_t img, uint32_t zero, uint32_t scf, uint32_t idt,
+                                                     uint32_t conv1_done, uint32_t sc_full, uint32_t shortcut_done,
+                                                     int hi, int lane) {
+  ptx::mbar_wait(conv1_done, 0);
+  ptx::mbar_wait(sc_full, 0);
+  conv_taps<kBf16>(
+      acc, a, 0, hi, [&](int t) { return lr.conv1(img, zero, t); }, [&](int) { return scf; }, [](int) {}, [](int) {});
+  // This warpgroup is done with the input image: the identity goes over it. (An mbarrier: with 128-thread named
+  // barriers for each warpgroup, compute-sanitizer's racecheck reported hazards across the 256-thread barriers
+  // after conv2, which it does not without them.)
+  __syncwarp();
+  if (lane == 0) ptx::mbar_arrive(shortcut_done);
+  ptx::mbar_wait(shortcut_done, 0);
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    const int cb = 2 * jj + hi;
+    uint32_t r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) r[u] = pack2<T>(acc[8 * jj + 2 * u] / 9.f, acc[8 * jj + 2 * u + 1] / 9.f);
+    ptx::stsm_x4(idt + lr.row * kTilePix + ((cb ^ (lr.pl & 7)) << 4), r);
+  }
+}
+
+// The other ranks' 192 channels of h2 from args.h2 (cp.async through L2), one commit group.
+__device__ __forceinline__ void gather_h2(const FusedDownBlockArgs& p, uint32_t h2, int rank, int image0, int tid) {
+  const uint4* const h2_global = static_cast<const uint4*>(p.h2);
+#pragma unroll
+  for (int k = 0; k < kRows * 24 / kCompute; ++k) {
+    const int id = k * kCompute + tid, px = id / 24, c = (id % 24 + kPr / 8 * (rank + 1)) % (kP / 8),
+              image = image0 + (px >> 4);
+    if (image < p.n)
+      ptx::cp_async16(h2 + px * kH2Pix + ((c ^ (px & 7)) << 4),
+                      h2_global + (int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + c);
+  }
+  ptx::cp_async_commit();
+}
+
+// The two halves' sums: warpgroup g keeps channels 32 g .. 32 g + 31 (accumulator registers 16 g .. 16 g + 15:
+// selected with constant indices, so that the array stays in registers) and gives the other 16 registers to the
+// other warpgroup's thread of the same warp and lane.
+__device__ __forceinline__ void sum_halves(const float (&acc)[32], float (&mine)[16], uint32_t xchg, int wg, int tid) {
+  const int tw = tid & 127;
+  float theirs[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    mine[i] = wg == 0 ? acc[i] : acc[16 + i];
+    theirs[i] = wg == 0 ? acc[16 + i] : acc[i];
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(xchg + ((1 - wg) * 512 + i * 128 + tw) * 16),
+                 "f"(theirs[4 * i]), "f"(theirs[4 * i + 1]), "f"(theirs[4 * i + 2]), "f"(theirs[4 * i + 3])
+                 : "memory");
+  ptx::named_barrier(1, kCompute);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(xchg + (wg * 512 + i * 128 + tw) * 16));
+    mine[4 * i] += v.x, mine[4 * i + 1] += v.y, mine[4 * i + 2] += v.z, mine[4 * i + 3] += v.w;
+  }
+}
+
+// v = T(acc) of the warpgroup's 32 channels into its tile; the squeeze's sums of o = T(v * scale + b2b) over the
+// image's 16 pixels: this thread's two rows, then the 8 lanes of a channel (g = lane / 4), as means into mean.
+template <class T>
+__device__ __forceinline__ void store_v_and_means(const float (&mine)[16], uint32_t vt, float* se, LaneRow lr,
+                                                  int wg, int hi, int lane, int q, float scale, float b2b) {
+  float cs[8];
+#pragma unroll
+  for (int jj = 0; jj < 2; ++jj) {
+    const int cb = 2 * (2 * wg + jj) + hi;
+    uint32_t r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) r[u] = pack2<T>(mine[8 * jj + 2 * u], mine[8 * jj + 2 * u + 1]);
+    ptx::stsm_x4(vt + lr.row * kTilePix + ((cb ^ (lr.pl & 7)) << 4), r);
+    // r[0] / r[1]: the pair's first column block, rows g / g + 8; r[2] / r[3]: its second.
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const float2 lo = pair_to_f2<T>(r[2 * b]), up = pair_to_f2<T>(r[2 * b + 1]);
+      cs[2 * (2 * jj + b)] = affine1<T>(lo.x, scale, b2b) + affine1<T>(up.x, scale, b2b);
+      cs[2 * (2 * jj + b) + 1] = affine1<T>(lo.y, scale, b2b) + affine1<T>(up.y, scale, b2b);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+#pragma unroll
+    for (int off = 4; off <= 16; off <<= 1) cs[k] += __shfl_xor_sync(0xffffffffu, cs[k], off);
+  }
+  float* const mean = se + kMean / 4 + lr.w4 * kPr;  // [image][64]
+  if (lane < 4) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) mean[32 * wg + 8 * (k >> 1) + 2 * q + (k & 1)] = cs[k] / float(kOutPix);
+  }
+}
+
+// fc1's partial sums over this CTA's 64 channels: warp (g, image) takes hidden units 8 g .. 8 g + 7, 4 lanes per
+// unit, 16 channels per lane (each lane group starting at its own channel: the fc1 rows would share banks), kept
+// here and pushed to the other CTAs' slot [rank].
+__device__ __forceinline__ void fc1_partials(const FusedDownBlockArgs& p, const float* fc1_w, const float* mean,
+                                             int group, int rank, int wg, int w4, int lane) {
+  const int k = 8 * wg + (lane >> 2), part = lane & 3;
+  float s = 0.f;
+#pragma unroll
+  for (int u = 0; u < 16; ++u) {
+    const int c = 16 * part + ((u + (lane >> 2)) & 15);
+    s += fc1_w[k * kPr + c] * mean[c];
+  }
+  s += __shfl_xor_sync(0xffffffffu, s, 1);
+  s += __shfl_xor_sync(0xffffffffu, s, 2);
+  if (part == 0) p.partials[(int64_t(group) * kRanks + rank) * kImages * kHidden + w4 * kHidden + k] = s;
+}
+
+// The 4 ranks' partial sums of the group: [rank][image][unit], 1 KB, through L2.
+__device__ __forceinline__ void load_group_partials(const FusedDownBlockArgs& p, float* se, int group, int tid) {
+  const float4* src = reinterpret_cast<const float4*>(p.partials + int64_t(group) * kRanks * kImages * kHidden);
+  if (tid < kRanks * kImages * kHidden / 4) {
+    const float4 v = __ldcg(src + tid);
+    reinterpret_cast<float4*>(se + kHpart / 4)[tid] = v;
+  }
+}
+
+// fc1 + ReLU (the 4 ranks' partial sums in rank order; both warpgroups compute the image's 16 units), then the
+// warp's 32 gates (fc2 + sigmoid).
+__device__ __forceinline__ void warp_gates(const float* se, float* hid, float* gates, const float* fc1_b,
+                                           const float* fc2_w, const float* fc2_b, int wg, int w4, int lane) {
+  if (lane < kHidden) {
+    const float* hp = se + kHpart / 4 + w4 * kHidden + lane;
+    const float s = ((hp[0] + hp[kImages * kHidden]) + hp[2 * kImages * kHidden]) + hp[3 * kImages * kHidden];
+    hid[lane] = relu_keep_nan(s + fc1_b[lane]);
+  }
+  __syncwarp();
+  {
+    const int c = 32 * wg + lane;
+    float s = fc2_b[c];
+#pragma unroll
+    for (int u = 0; u < kHidden; ++u) {
+      const int k = (u + lane) & (kHidden - 1);
+      s += fc2_w[c * kHidden + k] * hid[k];
+    }
+    gates[lane] = 1.f / (1.f + __expf(-s));
+  }
+  __syncwarp();
+}
+
+// The join: the warp's image, 16 pixels x its 4 chunks; 4 lanes store one pixel's 64 bytes.
+template <class T>
+__device__ __forceinline__ void excite_join_store(const FusedDownBlockArgs& p, const float* gates, uint32_t vt,
+                                                  uint32_t idt, int image0, int rank, int wg, int w4, int lane,
+                                                  float scale, float b2b) {
+  const int image = image0 + w4;
+  if (image >= p.n) return;
+  const FaithfulPost next_post = faithful_post<T>(p.a_next ? __ldg(p.next_b1a) : 0.f);
+  uint4* const y_out = static_cast<uint4*>(p.y);
+  uint4* const a_next = static_cast<uint4*>(p.a_next);
+#pragma unroll 1
+  for (int k = 0; k < kOutPix * 4 / 32; ++k) {
+    const int id = k * 32 + lane, px = id >> 2, j = id & 3, cb = 4 * wg + j, r = 16 * w4 + px;
+    uint4 y8, a8;
+    excite_join8<T>(lds128(vt + r * kTilePix + ((cb ^ (px & 7)) << 4)), lds128(idt + r * kTilePix + ((cb ^ (px & 7)) << 4)),
+                    gates + 8 * j, scale, b2b, next_post, y8, a8);
+    const int64_t o = (int64_t(image) * kOutPix + px) * (kP / 8) + kPr / 8 * rank + cb;
+    if (y_out) y_out[o] = y8;
+    if (a_next) a_next[o] = a8;
+  }
+}
+
 #endif  // KFUSE_FUSED_DOWN_GROUP_DEVICE
 
 template <class T, bool kBf16>
@@ -226,29 +530,13 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
   const int tid = threadIdx.x;
   unsigned* const sync = p.sync;  // [0] the ticket counter, [1 + 2 group] h2's, [2 + 2 group] the partial sums'
 
-  if (tid == 0) {
-    // The ticket: CTAs take them in the order they start; atomicInc wraps to 0 after the grid's last one. Asked
-    // first: its round trip overlaps the barriers' initialization.
-    const unsigned ticket = atomicInc(sync, gridDim.x - 1);
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(full0 + 8 * s, 1);
-      ptx::mbar_init(empty0 + 8 * s, 4);  // the 4 warps of the warpgroup that reads the chunk
-    }
-    ptx::mbar_init(sc_full, 1);
-    ptx::mbar_init(image_ready, kCompute / 32);
-    ptx::mbar_init(conv1_done, 4);
-    ptx::mbar_init(shortcut_done, 4);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    reinterpret_cast<unsigned*>(smem + kSeOff + kTicket)[0] = ticket;
-  }
-  if (tid < kZeroBytes / 16) sts128(zero + 16 * tid, make_uint4(0u, 0u, 0u, 0u));
-  __syncthreads();  // publishes the barriers' initialization and the ticket; the last CTA-wide barrier
-  const int ticket = int(reinterpret_cast<const unsigned*>(smem + kSeOff + kTicket)[0]);
+  const int ticket = init_barriers_and_ticket(sync, smem, full0, zero, tid);
   const int rank = ticket % kRanks, group = ticket / kRanks, image0 = group * kImages;
 
   if (tid >= kCompute) {
     // The producer: the filters are parameters, never written by the kernels before this one, so the stream starts
     // before the programmatic wait.
+    // (A device function of its own, this loop compiles differently: it stays in the kernel.)
     if (tid == kCompute) {
       const char* src = static_cast<const char*>(p.filters) + size_t(rank) * kChunks * kChunkBytes;
       ptx::mbar_arrive_expect_tx(sc_full, kChunkBytes);
@@ -263,130 +551,36 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
     }
     return;
   }
-  // The squeeze-excite's weights of this CTA's channels in the first cp.async group, waited for with the image.
-  for (int i = tid; i < kHidden * kPr / 4; i += kCompute)  // fc1 columns 64 rank .. 64 rank + 63 of each row
-    ptx::cp_async16(fc + kFc1W + 16 * i, p.fc1_w + (i / (kPr / 4)) * kP + kPr * rank + 4 * (i % (kPr / 4)));
-  for (int i = tid; i < kPr * kHidden / 4; i += kCompute)
-    ptx::cp_async16(fc + kFc2W + 16 * i, p.fc2_w + kPr * kHidden * rank + 4 * i);
-  if (tid < kHidden / 4) ptx::cp_async16(fc + kFc1B + 16 * tid, p.fc1_b + 4 * tid);
-  if (tid < kPr / 4) ptx::cp_async16(fc + kFc2B + 16 * tid, p.fc2_b + kPr * rank + 4 * tid);
-  ptx::cp_async_commit();
+  load_se_weights(p, fc, rank, tid);
   pdl_wait_for_predecessor();
   pdl_allow_successor();
-
-  // The group's 4 input images, swizzled (images past n: zeros; their rows are never stored).
-  {
-    const uint4* a_in = static_cast<const uint4*>(p.a);
-#pragma unroll 4
-    for (int k = 0; k < kImages * kInPix * 16 / kCompute; ++k) {
-      const int id = k * kCompute + tid, i = id >> 10, pix = (id >> 4) & 63, c = id & 15;
-      const uint32_t dst = img + (i * kInPix + pix) * kImgPix + ((c ^ img_swizzle(pix >> 3, pix & 7)) << 4);
-      if (image0 + i < p.n)
-        ptx::cp_async16(dst, a_in + (int64_t(image0 + i) * kInPix + pix) * 16 + c);
-      else
-        sts128(dst, make_uint4(0u, 0u, 0u, 0u));
-    }
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
-    __syncwarp();
-    if ((tid & 31) == 0) ptx::mbar_arrive(image_ready);
-  }
+  load_images(p, image0, img, image_ready, tid);
   ptx::named_barrier(1, kCompute);
 
   const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2, w4 = warp & 3, q = lane & 3, mi = lane >> 3,
             hi = mi >> 1;
-  // This lane's ldmatrix / stmatrix row: output pixel pl of image w4 (row 16 w4 + pl of M).
-  const int pl = 8 * (mi & 1) + (lane & 7), oy = pl >> 2, ox = pl & 3, row = 16 * w4 + pl;
-  auto slot_of = [](int c) { return (c - 1) % kStages; };
-  auto wait_chunk = [&](int c) { ptx::mbar_wait(full0 + 8 * slot_of(c), ((c - 1) / kStages) & 1); };
-  // Once this warp's MMAs that read chunk c completed (after a wgmma wait): its stage may be refilled.
-  auto release_chunk = [&](int c) {
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(empty0 + 8 * slot_of(c));
-  };
+  const int pl = 8 * (mi & 1) + (lane & 7);
+  const LaneRow lr{w4, pl, pl >> 2, pl & 3, 16 * w4 + pl};
+  const FilterRing fr{ring, full0, empty0, lane};
   uint32_t a[2][8][4];
   float acc[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
 
   // conv1's taps, then the shortcut's on the same A fragments, one after the other on the tensor cores (side by side,
-  // each ran at half speed: 4.5 us for both): warpgroup 0 multiplies them with conv1's filter (chunks 1-9 of the
-  // ring); warpgroup 1 then with the shortcut's 1x1 filter (its own buffer, the same on every tap: the pooled
-  // shortcut is the sum over the taps / 9) while warpgroup 0 writes h2 and the group exchanges it.
+  // each ran at half speed: 4.5 us for both): warpgroup 0 multiplies them with conv1's filter; warpgroup 1 then with
+  // the shortcut's 1x1 filter while warpgroup 0 writes h2 and the group exchanges it.
   const float b1b = __ldg(p.scalars + 1), scale = __ldg(p.scalars + 3), b2b = __ldg(p.scalars + 4);
   const FaithfulPost h2_post = faithful_post<T>(__ldg(p.scalars + 2));  // b2a
-  auto conv1_row = [&](int t) {
-    const int iy = 2 * oy + t / 3 - 1, ix = 2 * ox + t % 3 - 1;
-    const uint32_t px = iy >= 0 && ix >= 0 ? img + (w4 * kInPix + iy * kInW + ix) * kImgPix : zero;
-    return RowSource{px, img_swizzle(iy, ix)};
-  };
-  uint4* const h2_global = static_cast<uint4*>(p.h2);
   unsigned h2_target = 0;
-  if (wg == 0) {
-    conv_taps<kBf16>(
-        acc, a, 0, hi, conv1_row, [&](int t) { return ring + slot_of(1 + t) * kChunkBytes; },
-        [&](int t) { wait_chunk(1 + t); }, [&](int t) { release_chunk(1 + t); });
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(conv1_done);
-    // h2 through stmatrix into this CTA's channels of the local h2 (lane l addresses row l % 8 of matrix l / 8:
-    // pixel pl, channel block 2 jj + hi), then to args.h2 and the group's counter.
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const int cb = 2 * jj + hi;
-      uint32_t r[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        r[u] = relu_post_pair<T>(acc[8 * jj + 2 * u], acc[8 * jj + 2 * u + 1], b1b, h2_post);
-      }
-      ptx::stsm_x4(h2 + row * kH2Pix + (((kPr / 8 * rank + cb) ^ (pl & 7)) << 4), r);
-    }
-    __syncwarp();
-    // Each warp copies the rows it wrote (its image: 16 pixels x 8 chunks) and increments the counter itself (16
-    // increments per group and launch), so that the warpgroup needs no barrier of its own.
-    const int image = image0 + w4;
-#pragma unroll
-    for (int k = 0; k < kOutPix * 8 / 32; ++k) {
-      const int id = k * 32 + lane, px = 16 * w4 + (id >> 3), j = id & 7;
-      if (image < p.n)
-        h2_global[(int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + kPr / 8 * rank + j] =
-            lds128(h2 + px * kH2Pix + (((kPr / 8 * rank + j) ^ (px & 7)) << 4));
-    }
-    __syncwarp();
-    if (lane == 0) {
-      const unsigned target = group_arrive(sync + 1 + 2 * group, kRanks * 4);
-      if (tid == 0) h2_target = target;
-    }
-  } else {
-    ptx::mbar_wait(conv1_done, 0);
-    ptx::mbar_wait(sc_full, 0);
-    conv_taps<kBf16>(
-        acc, a, 0, hi, conv1_row, [&](int) { return scf; }, [](int) {}, [](int) {});
-    // This warpgroup is done with the input image: the identity goes over it. (An mbarrier: with 128-thread named
-    // barriers for each warpgroup, compute-sanitizer's racecheck reported hazards across the 256-thread barriers
-    // after conv2, which it does not without them.)
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(shortcut_done);
-    ptx::mbar_wait(shortcut_done, 0);
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const int cb = 2 * jj + hi;
-      uint32_t r[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) r[u] = pack2<T>(acc[8 * jj + 2 * u] / 9.f, acc[8 * jj + 2 * u + 1] / 9.f);
-      ptx::stsm_x4(idt + row * kTilePix + ((cb ^ (pl & 7)) << 4), r);
-    }
-  }
+  if (wg == 0)
+    h2_target = conv1_and_publish_h2<T, kBf16>(p, acc, a, fr, lr, img, zero, h2, conv1_done, b1b, h2_post, rank, group,
+                                               image0, hi, tid);
+  else
+    shortcut_to_identity<T, kBf16>(acc, a, lr, img, zero, scf, idt, conv1_done, sc_full, shortcut_done, hi, lane);
   if (tid == 0) group_wait(sync + 1 + 2 * group, h2_target);
   ptx::named_barrier(1, kCompute);  // the group's slices of h2 are in args.h2; the input image is free
-#pragma unroll
-  for (int k = 0; k < kRows * 24 / kCompute; ++k) {
-    const int id = k * kCompute + tid, px = id / 24, c = (id % 24 + kPr / 8 * (rank + 1)) % (kP / 8),
-              image = image0 + (px >> 4);
-    if (image < p.n)
-      ptx::cp_async16(h2 + px * kH2Pix + ((c ^ (px & 7)) << 4),
-                      h2_global + (int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + c);
-  }
-  ptx::cp_async_commit();
+  gather_h2(p, h2, rank, image0, tid);
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
   ptx::cp_async_wait<0>();
@@ -394,135 +588,25 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
 
   // conv2: warpgroup g takes the chunks of input half g (chunk 10 + 2 t + g: tap t, channels 128 g .. 128 g + 127).
   {
-    auto conv2_row = [&](int t) {
-      const int iy = oy + t / 3 - 1, ix = ox + t % 3 - 1;
-      const bool in = iy >= 0 && iy < kOutW && ix >= 0 && ix < kOutW;
-      return RowSource{in ? h2 + (w4 * kOutPix + iy * kOutW + ix) * kH2Pix : zero, map_swizzle(iy, ix)};
-    };
     auto chunk = [&](int t) { return kConv2Chunk + 2 * t + wg; };
     conv_taps<kBf16>(
-        acc, a, 16 * wg, hi, conv2_row, [&](int t) { return ring + slot_of(chunk(t)) * kChunkBytes; },
-        [&](int t) { wait_chunk(chunk(t)); }, [&](int t) { release_chunk(chunk(t)); });
+        acc, a, 16 * wg, hi, [&](int t) { return lr.conv2(h2, zero, t); }, [&](int t) { return fr.chunk(chunk(t)); },
+        [&](int t) { fr.wait(chunk(t)); }, [&](int t) { fr.release(chunk(t)); });
   }
-  // The two halves' sums: warpgroup g keeps channels 32 g .. 32 g + 31 (accumulator registers 16 g .. 16 g + 15:
-  // selected with constant indices, so that the array stays in registers) and gives the other 16 registers to the
-  // other warpgroup's thread of the same warp and lane.
   float mine[16];
-  {
-    const int tw = tid & 127;
-    float theirs[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      mine[i] = wg == 0 ? acc[i] : acc[16 + i];
-      theirs[i] = wg == 0 ? acc[16 + i] : acc[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(xchg + ((1 - wg) * 512 + i * 128 + tw) * 16),
-                   "f"(theirs[4 * i]), "f"(theirs[4 * i + 1]), "f"(theirs[4 * i + 2]), "f"(theirs[4 * i + 3])
-                   : "memory");
-    ptx::named_barrier(1, kCompute);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float4 v;
-      asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                   : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                   : "r"(xchg + (wg * 512 + i * 128 + tw) * 16));
-      mine[4 * i] += v.x, mine[4 * i + 1] += v.y, mine[4 * i + 2] += v.z, mine[4 * i + 3] += v.w;
-    }
-  }
+  sum_halves(acc, mine, xchg, wg, tid);
 
-  // v = T(acc) of the warpgroup's 32 channels into its tile; the squeeze's sums of o = T(v * scale + b2b) over the
-  // image's 16 pixels: this thread's two rows, then the 8 lanes of a channel (g = lane / 4).
-  float cs[8];
-#pragma unroll
-  for (int jj = 0; jj < 2; ++jj) {
-    const int cb = 2 * (2 * wg + jj) + hi;
-    uint32_t r[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) r[u] = pack2<T>(mine[8 * jj + 2 * u], mine[8 * jj + 2 * u + 1]);
-    ptx::stsm_x4(vt + row * kTilePix + ((cb ^ (pl & 7)) << 4), r);
-    // r[0] / r[1]: the pair's first column block, rows g / g + 8; r[2] / r[3]: its second.
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const float2 lo = pair_to_f2<T>(r[2 * b]), up = pair_to_f2<T>(r[2 * b + 1]);
-      cs[2 * (2 * jj + b)] = affine1<T>(lo.x, scale, b2b) + affine1<T>(up.x, scale, b2b);
-      cs[2 * (2 * jj + b) + 1] = affine1<T>(lo.y, scale, b2b) + affine1<T>(up.y, scale, b2b);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-#pragma unroll
-    for (int off = 4; off <= 16; off <<= 1) cs[k] += __shfl_xor_sync(0xffffffffu, cs[k], off);
-  }
-  float* const mean = se + kMean / 4 + w4 * kPr;  // [image][64]
-  if (lane < 4) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) mean[32 * wg + 8 * (k >> 1) + 2 * q + (k & 1)] = cs[k] / float(kOutPix);
-  }
+  store_v_and_means<T>(mine, vt, se, lr, wg, hi, lane, q, scale, b2b);
+  const float* const mean = se + kMean / 4 + w4 * kPr;
   ptx::named_barrier(1, kCompute);  // both warpgroups' means of the image are in
-  // fc1's partial sums over this CTA's 64 channels: warp (g, image) takes hidden units 8 g .. 8 g + 7, 4 lanes per
-  // unit, 16 channels per lane (each lane group starting at its own channel: the fc1 rows would share banks), kept
-  // here and pushed to the other CTAs' slot [rank].
-  {
-    const int k = 8 * wg + (lane >> 2), part = lane & 3;
-    float s = 0.f;
-#pragma unroll
-    for (int u = 0; u < 16; ++u) {
-      const int c = 16 * part + ((u + (lane >> 2)) & 15);
-      s += fc1_w[k * kPr + c] * mean[c];
-    }
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    if (part == 0) p.partials[(int64_t(group) * kRanks + rank) * kImages * kHidden + w4 * kHidden + k] = s;
-  }
+  fc1_partials(p, fc1_w, mean, group, rank, wg, w4, lane);
   group_handshake(sync + 2 + 2 * group, tid);
-  // The 4 ranks' partial sums of the group: [rank][image][unit], 1 KB, through L2.
-  {
-    const float4* src = reinterpret_cast<const float4*>(p.partials + int64_t(group) * kRanks * kImages * kHidden);
-    if (tid < kRanks * kImages * kHidden / 4) {
-      const float4 v = __ldcg(src + tid);
-      reinterpret_cast<float4*>(se + kHpart / 4)[tid] = v;
-    }
-  }
+  load_group_partials(p, se, group, tid);
   ptx::named_barrier(1, kCompute);
-  // fc1 + ReLU (the 4 ranks' partial sums in rank order; both warpgroups compute the image's 16 units), then the
-  // warp's 32 gates (fc2 + sigmoid).
   float* const hid = se + kHid / 4 + warp * kHidden;
   float* const gates = se + kGate / 4 + warp * 32;
-  if (lane < kHidden) {
-    const float* hp = se + kHpart / 4 + w4 * kHidden + lane;
-    const float s = ((hp[0] + hp[kImages * kHidden]) + hp[2 * kImages * kHidden]) + hp[3 * kImages * kHidden];
-    hid[lane] = relu_keep_nan(s + fc1_b[lane]);
-  }
-  __syncwarp();
-  {
-    const int c = 32 * wg + lane;
-    float s = fc2_b[c];
-#pragma unroll
-    for (int u = 0; u < kHidden; ++u) {
-      const int k = (u + lane) & (kHidden - 1);
-      s += fc2_w[c * kHidden + k] * hid[k];
-    }
-    gates[lane] = 1.f / (1.f + __expf(-s));
-  }
-  __syncwarp();
-  // The join: the warp's image, 16 pixels x its 4 chunks; 4 lanes store one pixel's 64 bytes.
-  const int image = image0 + w4;
-  if (image >= p.n) return;
-  const FaithfulPost next_post = faithful_post<T>(p.a_next ? __ldg(p.next_b1a) : 0.f);
-  uint4* const y_out = static_cast<uint4*>(p.y);
-  uint4* const a_next = static_cast<uint4*>(p.a_next);
-#pragma unroll 1
-  for (int k = 0; k < kOutPix * 4 / 32; ++k) {
-    const int id = k * 32 + lane, px = id >> 2, j = id & 3, cb = 4 * wg + j, r = 16 * w4 + px;
-    uint4 y8, a8;
-    excite_join8<T>(lds128(vt + r * kTilePix + ((cb ^ (px & 7)) << 4)), lds128(idt + r * kTilePix + ((cb ^ (px & 7)) << 4)),
-                    gates + 8 * j, scale, b2b, next_post, y8, a8);
-    const int64_t o = (int64_t(image) * kOutPix + px) * (kP / 8) + kPr / 8 * rank + cb;
-    if (y_out) y_out[o] = y8;
-    if (a_next) a_next[o] = a8;
-  }
+  warp_gates(se, hid, gates, fc1_b, fc2_w, fc2_b, wg, w4, lane);
+  excite_join_store<T>(p, gates, vt, idt, image0, rank, wg, w4, lane, scale, b2b);
 #else
   // Compiled for another architecture: never launched (fused_down_block_group_smem_bytes requires compute
   // capability 9.0).
