@@ -190,6 +190,78 @@ __device__ __forceinline__ void store_s_batch(const uint32_t (&raw)[kXBatch][kRa
   }
 }
 
+// dw[16mt .. +15][tiles nbase + 2i] += G^T S over the tile's 128 pixels (8 k16 steps). (nt_count is taken as kNT
+// where that is known at compile time, as in the kernel, whose SASS is then the same.)
+template <class T, int kNT, int kSStride, int kNW>
+__device__ __forceinline__ void dw_tile_mma(float (&acc)[kNW][4], const uint16_t* gsm, const uint16_t* ssm, int mt,
+                                            int nbase, int nt_count_rt, int lane) {
+  const int nt_count = kNT == kMaxNt ? nt_count_rt : kNT;
+#pragma unroll 2
+  for (int kp = 0; kp < kTileP / 16; ++kp) {
+    uint32_t a[4];  // matrices: (pix 0-7, ch 0-7), (pix 0-7, ch 8-15), (pix 8-15, ch 0-7), (pix 8-15, ch 8-15)
+    ldsm_x4_trans(a, gsm + (16 * kp + (lane & 7) + ((lane >> 4) << 3)) * kGStride + (2 * mt + ((lane >> 3) & 1)) * 8);
+    const int brow = 16 * kp + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+    for (int i = 0; i < kNW; i += 2) {
+      const int nta = nbase + 2 * i, ntb = nta + 2;
+      if (nta >= nt_count) break;  // warp-uniform
+      if (i + 1 < kNW && ntb < nt_count) {
+        uint32_t b[4];  // matrices: (pix 0-7, nta), (pix 8-15, nta), (pix 0-7, ntb), (pix 8-15, ntb)
+        ldsm_x4_trans(b, ssm + brow * kSStride + ((lane >> 4) ? ntb : nta) * 8);
+        mma16816<T>(acc[i], a, b[0], b[1]);
+        mma16816<T>(acc[i + 1], a, b[2], b[3]);
+      } else {
+        uint32_t b[2];
+        ldsm_x2_trans(b, ssm + brow * kSStride + nta * 8);
+        mma16816<T>(acc[i], a, b[0], b[1]);
+      }
+    }
+  }
+}
+
+// This thread's 4 vectors of x0 / da / dz in the tile (zero past the end; vok: in range).
+__device__ __forceinline__ void load_tile_vectors(const uint4* x0v, const uint4* dav, const uint4* dzv, bool has_dz,
+                                                  int m_total, int row_vecs, int m0, int tid, uint4 (&vx0)[4],
+                                                  uint4 (&vda)[4], uint4 (&vdz)[4], bool (&vok)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int v = tid + i * kThreads, pix = v >> 3, ch8 = v & 7, m = m0 + pix;
+    vok[i] = m < m_total && ch8 < row_vecs;
+    const int64_t off = int64_t(m) * row_vecs + ch8;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    vx0[i] = vok[i] ? __ldg(x0v + off) : zero;
+    vda[i] = vok[i] ? __ldg(dav + off) : zero;
+    vdz[i] = vok[i] && has_dz ? __ldg(dzv + off) : zero;
+  }
+}
+
+// A vector's words of x0, da and dz, and a pair's g (declared by the kernel: see the tile loop).
+struct GRegs {
+  uint32_t wx[4], wa[4], wz[4];
+  float gv[2];
+};
+
+// g = T(da + dz) where x0 > 0, else 0 (g = da exactly without dz), of one 16-byte vector into out; sum_da on the side.
+template <class T>
+__device__ __forceinline__ void g_vector(const uint4& vx0, const uint4& vda, const uint4& vdz, bool has_dz, GRegs& r,
+                                         uint32_t (&out)[4], float& sum_da) {
+  r.wx[0] = vx0.x, r.wx[1] = vx0.y, r.wx[2] = vx0.z, r.wx[3] = vx0.w;
+  r.wa[0] = vda.x, r.wa[1] = vda.y, r.wa[2] = vda.z, r.wa[3] = vda.w;
+  r.wz[0] = vdz.x, r.wz[1] = vdz.y, r.wz[2] = vdz.z, r.wz[3] = vdz.w;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float xv = bits_to_f<T>(r.wx[e] >> (16 * hh));
+      const float av = bits_to_f<T>(r.wa[e] >> (16 * hh));
+      sum_da += av;
+      const float sv = has_dz ? av + bits_to_f<T>(r.wz[e] >> (16 * hh)) : av;
+      r.gv[hh] = xv > 0.f ? sv : 0.f;
+    }
+    out[e] = pack2<T>(r.gv[0], r.gv[1]);
+  }
+}
+
 // dinput for pixels 16 * warp .. +15: D = G W^T, scaled by in_scale[c], stored as pairs of dx.
 template <class T, int kNT, int kNB>
 __device__ __forceinline__ void dinput_tile(const Params& p, const UnitTables& t, const uint16_t* gsm,
@@ -256,6 +328,19 @@ __device__ __forceinline__ void store_dw_partial(const Params& p, const float (&
   }
 }
 
+// This CTA's sum_da partial: a fixed-order block reduction (the warp's lanes, then the warps in order).
+__device__ __forceinline__ void store_sum_da(float* ws_sum, float* red, float sum_da, int tid, int warp, int lane) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum_da += __shfl_xor_sync(0xffffffffu, sum_da, o);
+  if (lane == 0) red[warp] = sum_da;
+  __syncthreads();
+  if (tid == 0) {
+    float s = 0.f;
+    for (int w = 0; w < kWarps; ++w) s += red[w];
+    ws_sum[blockIdx.x] = s;
+  }
+}
+
 // kNT: n8 column tiles per chunk at compile time (2: C = 1, 6: C = 3, kMaxNt: any C, chunks of <= 48 units).
 template <class T, class E, int kNT>
 __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params p) {
@@ -299,6 +384,8 @@ __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params
     for (int r = 0; r < 4; ++r) acc[i][r] = 0.f;
   float sum_da = 0.f;
 
+  // The phases' register arrays (the vectors, raw, out and GRegs, d) are declared here, not in the phase functions:
+  // there nvcc orders their registers differently, and the SASS would change.
   for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
     const int m0 = tile * kTileP;
     __syncthreads();  // the previous tile's readers are done (and, first time round, the tables are written)
@@ -306,16 +393,7 @@ __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params
     // (1) x0 / da / dz: 128 pixels x 8 vectors, 4 per thread, consecutive threads on consecutive 16 bytes.
     uint4 vx0[4], vda[4], vdz[4];
     bool vok[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int v = tid + i * kThreads, pix = v >> 3, ch8 = v & 7, m = m0 + pix;
-      vok[i] = m < p.m_total && ch8 < row_vecs;
-      const int64_t off = int64_t(m) * row_vecs + ch8;
-      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-      vx0[i] = vok[i] ? __ldg(x0v + off) : zero;
-      vda[i] = vok[i] ? __ldg(dav + off) : zero;
-      vdz[i] = vok[i] && has_dz ? __ldg(dzv + off) : zero;
-    }
+    load_tile_vectors(x0v, dav, dzv, has_dz, p.m_total, row_vecs, m0, tid, vx0, vda, vdz, vok);
 
     // (1) s: thread tid handles pixel tid % 128 and units (tid / 128) + 2j, written as T to S (zero past the end).
     {
@@ -340,73 +418,22 @@ __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params
     for (int i = 0; i < 4; ++i) {
       const int v = tid + i * kThreads, pix = v >> 3, ch8 = v & 7;
       uint32_t out[4] = {0u, 0u, 0u, 0u};
-      if (vok[i]) {
-        const uint32_t wx[4] = {vx0[i].x, vx0[i].y, vx0[i].z, vx0[i].w};
-        const uint32_t wa[4] = {vda[i].x, vda[i].y, vda[i].z, vda[i].w};
-        const uint32_t wz[4] = {vdz[i].x, vdz[i].y, vdz[i].z, vdz[i].w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float gv[2];
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const float xv = bits_to_f<T>(wx[e] >> (16 * hh));
-            const float av = bits_to_f<T>(wa[e] >> (16 * hh));
-            sum_da += av;
-            const float sv = has_dz ? av + bits_to_f<T>(wz[e] >> (16 * hh)) : av;
-            gv[hh] = xv > 0.f ? sv : 0.f;
-          }
-          out[e] = pack2<T>(gv[0], gv[1]);
-        }
-      }
+      GRegs r;
+      if (vok[i]) g_vector<T>(vx0[i], vda[i], vdz[i], has_dz, r, out, sum_da);
       *reinterpret_cast<uint4*>(gsm + pix * kGStride + ch8 * 8) = make_uint4(out[0], out[1], out[2], out[3]);
     }
     __syncthreads();
 
-    // (2) dw[16mt .. +15][tiles nbase + 2i] += G^T S over the tile's 128 pixels (8 k16 steps).
-    if (16 * mt < p.p0) {
-#pragma unroll 2
-      for (int kp = 0; kp < kTileP / 16; ++kp) {
-        uint32_t a[4];  // matrices: (pix 0-7, ch 0-7), (pix 0-7, ch 8-15), (pix 8-15, ch 0-7), (pix 8-15, ch 8-15)
-        ldsm_x4_trans(a, gsm + (16 * kp + (lane & 7) + ((lane >> 4) << 3)) * kGStride +
-                             (2 * mt + ((lane >> 3) & 1)) * 8);
-        const int brow = 16 * kp + (lane & 7) + (((lane >> 3) & 1) << 3);
-#pragma unroll
-        for (int i = 0; i < kNW; i += 2) {
-          const int nta = nbase + 2 * i, ntb = nta + 2;
-          if (nta >= nt_count) break;  // warp-uniform
-          if (i + 1 < kNW && ntb < nt_count) {
-            uint32_t b[4];  // matrices: (pix 0-7, nta), (pix 8-15, nta), (pix 0-7, ntb), (pix 8-15, ntb)
-            ldsm_x4_trans(b, ssm + brow * kSStride + ((lane >> 4) ? ntb : nta) * 8);
-            mma16816<T>(acc[i], a, b[0], b[1]);
-            mma16816<T>(acc[i + 1], a, b[2], b[3]);
-          } else {
-            uint32_t b[2];
-            ldsm_x2_trans(b, ssm + brow * kSStride + nta * 8);
-            mma16816<T>(acc[i], a, b[0], b[1]);
-          }
-        }
-      }
-    }
+    if (16 * mt < p.p0) dw_tile_mma<T, kNT, kSStride, kNW>(acc, gsm, ssm, mt, nbase, nt_count, lane);  // (2)
 
-    // (3) dinput; its accumulator batch is declared here, not in dinput_tile: nvcc then numbers its registers, and
-    // ptxas allocates them, as it did for the single-function kernel.
+    // (3) dinput.
     float d[kNB][4];
     if (want_dinput && m0 + 16 * warp < p.m_total)
       dinput_tile<T, kNT, kNB>(p, tables, gsm, wfr, d, m0, nt_count, warp, lane, g, q);
   }
 
   if (16 * mt < p.p0) store_dw_partial<kNW>(p, acc, u0, mt, nbase, nt_count, g, q);
-  if (p.ws_sum != nullptr && blockIdx.y == 0) {  // fixed-order block reduction of sum_da
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum_da += __shfl_xor_sync(0xffffffffu, sum_da, o);
-    if (lane == 0) red[warp] = sum_da;
-    __syncthreads();
-    if (tid == 0) {
-      float s = 0.f;
-      for (int w = 0; w < kWarps; ++w) s += red[w];
-      p.ws_sum[blockIdx.x] = s;
-    }
-  }
+  if (p.ws_sum != nullptr && blockIdx.y == 0) store_sum_da(p.ws_sum, red, sum_da, tid, warp, lane);
 }
 
 // dw[e] = sum of the partials (fixed order, float64): kFinCols elements per CTA, kFinRows partial rows each summed
