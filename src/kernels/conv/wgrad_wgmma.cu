@@ -94,6 +94,98 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
   }
 }
+// The loading warpgroup: eight threads copy the eight 16-byte chunks of one pixel, a pass of the warp four whole
+// 128-byte pixel rows (coalesced reads; the 8 chunks land in 8 bank groups).
+// Thread t copies chunk g = t % 8 of pixels t / 8, t / 8 + 16, ...: with w % 16 == 0 a step of 16 pixels keeps
+// the column and moves a row every w / 16 steps, so the addresses advance by constants (no division: these
+// warps share the schedulers with the MMA warps).
+__device__ __forceinline__ void load_images(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
+                                            uint64_t* full, uint64_t* empty, uint32_t base, int t, int n, int w,
+                                            int hw, int pitch, int x_plane, int dy_plane, int stage_bytes, int stages,
+                                            int stride) {
+  const int g = t & 7, p_first = t >> 3;
+  for (int it = 0, img = blockIdx.x; img < n; ++it, img += stride) {
+    const int st = it % stages, use = it / stages;
+    if (use > 0) mbar_wait(smem_u32(&empty[st]), (use - 1) & 1);
+    const uint32_t xs = base + st * stage_bytes;
+    uint32_t xd = xs + g * x_plane + ((p_first / w + 1) * pitch + p_first % w + 1) * 16;
+    uint32_t dd = xs + 8 * x_plane + g * dy_plane + p_first * 16;
+    const uint16_t* src_x = x + (static_cast<size_t>(img) * hw + p_first) * 64 + g * 8;
+    const uint16_t* src_dy = dy + (static_cast<size_t>(img) * hw + p_first) * 64 + g * 8;
+    for (int p = p_first, px = p_first % w; p < hw; p += 16) {
+      cp_async16(xd, src_x);
+      cp_async16(dd, src_dy);
+      src_x += 16 * 64, src_dy += 16 * 64, dd += 16 * 16, xd += 16 * 16;
+      if ((px += 16) >= w) px -= w, xd += 2 * 16;  // the next row: skip the two halo columns
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&full[st])) : "memory");
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// Four fragment buffers with fixed registers (K steps in groups of four). Step k's fragment is loaded during step
+// k - 1, after that step's MMAs are issued and the wait (wait_group 3) that completes the MMAs of step k - 4, the
+// buffer's previous reader; so the load's latency (shared memory is busy with the MMAs' B reads) is hidden by a
+// step, and three steps of MMAs stay in flight.
+constexpr int kBuffers = 4;
+
+// One image's K steps (ksteps of 16 pixels) into acc: dy^T's fragments from a_addr, x's taps from b_addr. Releases
+// the previous image's stage (pending) once its MMAs are complete.
+template <bool kBf16>
+__device__ __forceinline__ void image_mma(float (&acc)[3][32], uint32_t (&a)[kBuffers][4], uint32_t a_addr,
+                                          uint32_t b_addr, uint64_t* empty, int& pending, int ksteps, int w,
+                                          int x_plane) {
+  int px = 0;
+  // Step 0 uses buffer 0, last read by the previous image's step 4 * floor((ksteps - 1) / 4), which has
+  // (ksteps - 1) % 4 groups of MMAs after it.
+  switch ((ksteps - 1) & 3) {
+    case 0: wgmma_wait<0>(); break;
+    case 1: wgmma_wait<1>(); break;
+    case 2: wgmma_wait<2>(); break;
+    default: wgmma_wait<3>(); break;
+  }
+  hold(a[0]);
+  ldsm_x4_trans(a[0], a_addr);
+  for (int kb = 0; kb < ksteps; kb += kBuffers) {
+#pragma unroll
+    for (int j = 0; j < kBuffers; ++j) {
+      const int k = kb + j;
+      if (k == ksteps) break;  // a number of steps that is not a multiple of four
+      const uint64_t desc = desc_mn(b_addr, x_plane);
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 3; ++s) wgmma_m64n64k16_rs<kBf16>(acc[s], a[j], desc + s);  // tap s: 16 bytes on
+      wgmma_commit();
+      a_addr += 16 * 16, b_addr += 16 * 16;
+      if ((px += 16) == w) px = 0, b_addr += 2 * 16;
+      wgmma_wait<kBuffers - 1>();  // steps k - 3 and before are complete
+      if (k == kBuffers - 1 && pending >= 0) {  // so are the previous image's MMAs
+        mbar_arrive(smem_u32(&empty[pending]));
+        pending = -1;
+      }
+      if (k + 1 < ksteps) {
+        hold(a[(j + 1) % kBuffers]);
+        ldsm_x4_trans(a[(j + 1) % kBuffers], a_addr);
+      }
+    }
+  }
+}
+
+// acc[s][4 j + e] of warp wq: output channel k = 16 wq + lane / 4 + 8 (e >> 1), input channel c = 8 j + 2 (lane % 4)
+// + (e & 1).
+__device__ __forceinline__ void store_partial(const float (&acc)[3][32], float* out, int wg, int wq, int lane) {
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int s = 0; s < 3; ++s)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int k = 16 * wq + g + 8 * hh, c = 8 * j + 2 * q;
+        *reinterpret_cast<float2*>(out + ((k * 3 + wg) * 3 + s) * 64 + c) =
+            make_float2(acc[s][4 * j + 2 * hh], acc[s][4 * j + 2 * hh + 1]);
+      }
+}
 #endif  // KFUSE_WGRAD_WGMMA_DEVICE
 
 // Grid: min(n, SMs) CTAs, image i to CTA i % grid; CTA b writes its partial gradient at partial + b * kFilterElems.
@@ -129,30 +221,8 @@ __global__ void __launch_bounds__(kThreads + 128, 1)
 
   if (tid >= kThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    const int t = tid - kThreads;
-    // The loading warpgroup: eight threads copy the eight 16-byte chunks of one pixel, a pass of the warp four whole
-    // 128-byte pixel rows (coalesced reads; the 8 chunks land in 8 bank groups).
-    // Thread t copies chunk g = t % 8 of pixels t / 8, t / 8 + 16, ...: with w % 16 == 0 a step of 16 pixels keeps
-    // the column and moves a row every w / 16 steps, so the addresses advance by constants (no division: these
-    // warps share the schedulers with the MMA warps).
-    const int g = t & 7, p_first = t >> 3;
-    for (int it = 0, img = blockIdx.x; img < n; ++it, img += stride) {
-      const int st = it % stages, use = it / stages;
-      if (use > 0) mbar_wait(smem_u32(&empty[st]), (use - 1) & 1);
-      const uint32_t xs = base + st * stage_bytes;
-      uint32_t xd = xs + g * x_plane + ((p_first / w + 1) * pitch + p_first % w + 1) * 16;
-      uint32_t dd = xs + 8 * x_plane + g * dy_plane + p_first * 16;
-      const uint16_t* src_x = x + (static_cast<size_t>(img) * hw + p_first) * 64 + g * 8;
-      const uint16_t* src_dy = dy + (static_cast<size_t>(img) * hw + p_first) * 64 + g * 8;
-      for (int p = p_first, px = p_first % w; p < hw; p += 16) {
-        cp_async16(xd, src_x);
-        cp_async16(dd, src_dy);
-        src_x += 16 * 64, src_dy += 16 * 64, dd += 16 * 16, xd += 16 * 16;
-        if ((px += 16) >= w) px -= w, xd += 2 * 16;  // the next row: skip the two halo columns
-      }
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&full[st])) : "memory");
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    load_images(dy, x, full, empty, base, tid - kThreads, n, w, hw, pitch, x_plane, dy_plane, stage_bytes, stages,
+                stride);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 152;\n" ::: "memory");
@@ -166,11 +236,6 @@ __global__ void __launch_bounds__(kThreads + 128, 1)
   // This lane's ldmatrix row of dy^T: x4 matrices 0..3 = (channels +0, pixels +0), (+8, +0), (+0, +8), (+8, +8).
   const uint32_t a_lane = (2 * wq + ((lane >> 3) & 1)) * dy_plane + ((lane & 7) + ((lane >> 4) << 3)) * 16;
   const int ksteps = hw / 16;
-  // Four fragment buffers with fixed registers (K steps in groups of four). Step k's fragment is loaded during step
-  // k - 1, after that step's MMAs are issued and the wait (wait_group 3) that completes the MMAs of step k - 4, the
-  // buffer's previous reader; so the load's latency (shared memory is busy with the MMAs' B reads) is hidden by a
-  // step, and three steps of MMAs stay in flight.
-  constexpr int kBuffers = 4;
   uint32_t a[kBuffers][4] = {};
   // A stage is released (empty) once its MMAs are complete. With four steps or more per image that is known at the
   // next image's fourth step, so the MMAs need not drain at each image's end; with fewer, they drain.
@@ -180,44 +245,10 @@ __global__ void __launch_bounds__(kThreads + 128, 1)
     const int st = it % stages, use = it / stages;
     mbar_wait(smem_u32(&full[st]), use & 1);
     fence_proxy_async();  // the copies were generic-proxy writes; the MMAs read through the async proxy
-    // The addresses advance by constants, computed off the path from a wait to the next MMAs.
+    // The addresses advance by constants, computed off the path from a wait to the next MMAs. b: tap (r = wg, s = 0)
+    // of pixels (0, 0..15): halo pixel (y + r, x0 + s).
     const uint32_t xs = base + st * stage_bytes;
-    uint32_t a_addr = xs + 8 * x_plane + a_lane;
-    uint32_t b_addr = xs + wg * pitch * 16;  // tap (r = wg, s = 0) of pixels (0, 0..15): halo pixel (y + r, x0 + s)
-    int px = 0;
-    // Step 0 uses buffer 0, last read by the previous image's step 4 * floor((ksteps - 1) / 4), which has
-    // (ksteps - 1) % 4 groups of MMAs after it.
-    switch ((ksteps - 1) & 3) {
-      case 0: wgmma_wait<0>(); break;
-      case 1: wgmma_wait<1>(); break;
-      case 2: wgmma_wait<2>(); break;
-      default: wgmma_wait<3>(); break;
-    }
-    hold(a[0]);
-    ldsm_x4_trans(a[0], a_addr);
-    for (int kb = 0; kb < ksteps; kb += kBuffers) {
-#pragma unroll
-      for (int j = 0; j < kBuffers; ++j) {
-        const int k = kb + j;
-        if (k == ksteps) break;  // a number of steps that is not a multiple of four
-        const uint64_t desc = desc_mn(b_addr, x_plane);
-        wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < 3; ++s) wgmma_m64n64k16_rs<kBf16>(acc[s], a[j], desc + s);  // tap s: 16 bytes on
-        wgmma_commit();
-        a_addr += 16 * 16, b_addr += 16 * 16;
-        if ((px += 16) == w) px = 0, b_addr += 2 * 16;
-        wgmma_wait<kBuffers - 1>();  // steps k - 3 and before are complete
-        if (k == kBuffers - 1 && pending >= 0) {  // so are the previous image's MMAs
-          mbar_arrive(smem_u32(&empty[pending]));
-          pending = -1;
-        }
-        if (k + 1 < ksteps) {
-          hold(a[(j + 1) % kBuffers]);
-          ldsm_x4_trans(a[(j + 1) % kBuffers], a_addr);
-        }
-      }
-    }
+    image_mma<kBf16>(acc, a, xs + 8 * x_plane + a_lane, xs + wg * pitch * 16, empty, pending, ksteps, w, x_plane);
     if (defer_release) {
       pending = st;
     } else {
@@ -232,21 +263,7 @@ __global__ void __launch_bounds__(kThreads + 128, 1)
   for (int s = 0; s < 3; ++s) hold(acc[s]);
 #pragma unroll
   for (int j = 0; j < kBuffers; ++j) hold(a[j]);
-
-  // acc[s][4 j + e] of warp wq: output channel k = 16 wq + lane / 4 + 8 (e >> 1), input channel c = 8 j + 2 (lane % 4)
-  // + (e & 1).
-  float* out = partial + static_cast<size_t>(blockIdx.x) * kFilterElems;
-  const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int s = 0; s < 3; ++s)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int k = 16 * wq + g + 8 * hh, c = 8 * j + 2 * q;
-        *reinterpret_cast<float2*>(out + ((k * 3 + wg) * 3 + s) * 64 + c) =
-            make_float2(acc[s][4 * j + 2 * hh], acc[s][4 * j + 2 * hh + 1]);
-      }
+  store_partial(acc, partial + static_cast<size_t>(blockIdx.x) * kFilterElems, wg, wq, lane);
 #else
   // Compiled for another architecture: never launched (wgrad_wgmma_can_implement requires compute capability 9.0).
   __trap();

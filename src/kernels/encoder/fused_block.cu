@@ -139,6 +139,97 @@ __device__ __forceinline__ void conv3x3(float (&acc)[2][8][4], uint32_t halo, ui
   }
 }
 
+// The squeeze-excite's parameters (16-byte aligned arrays of multiples of 4 floats) into shared memory.
+__device__ __forceinline__ void stage_se_params(const FusedBlockArgs& p, float* fc1_w, float* fc2_w, float* fc1_b,
+                                                float* fc2_b, int tid) {
+  const float* src[4] = {p.fc1_w, p.fc2_w, p.fc1_b, p.fc2_b};
+  float* dst[4] = {fc1_w, fc2_w, fc1_b, fc2_b};
+  const int count[4] = {kFc1W, kFc2W, kHidden, kP};
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    for (int i = tid; i < count[k] / 4; i += kThreads) cp_async16(smem_u32(dst[k] + 4 * i), src[k] + 4 * i);
+}
+
+// This warp's m16 tiles: warp and warp + 8 (pixels 16 t .. 16 t + 15, row-major). The lane's ldmatrix row (hc), and
+// the two accumulator rows g and g + 8 (hrow), as halo indices of their centre pixels.
+__device__ __forceinline__ void tile_rows(int (&hc)[2], int (&hrow)[2][2], int tiles, int warp, int lane, int g,
+                                          int w, int wp) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    const int t = m < tiles ? warp + m * kWarps : 0;  // a tile past the image computes tile 0 again, unused
+    const int pl = 16 * t + (lane & 7) + 8 * ((lane >> 3) & 1);
+    hc[m] = (pl / w + 1) * wp + pl % w + 1;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int pa = 16 * t + g + 8 * r;
+      hrow[m][r] = (pa / w + 1) * wp + pa % w + 1;
+    }
+  }
+}
+
+// The squeeze's per-thread channel sums over the lanes of a warp, then over the warps (a fixed order), / hw into
+// mean.
+__device__ __forceinline__ void sums_to_mean(float (&sum)[8], float* red, float* mean, int hw, int tid, int warp,
+                                             int lane) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 8);
+    sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 16);
+  }
+  if (lane < 8)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) red[warp * kP + 8 * lane + k] = sum[k];
+  __syncthreads();
+  if (tid < kP) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += red[w * kP + tid];
+    mean[tid] = s / float(hw);
+  }
+}
+
+// fc1 + ReLU (one warp per hidden unit), then fc2 + sigmoid (one thread per channel) into gate.
+__device__ __forceinline__ void excite_gates(const float* mean, float* hid, float* gate, const float* fc1_w,
+                                             const float* fc1_b, const float* fc2_w, const float* fc2_b, int tid,
+                                             int warp, int lane) {
+  if (warp < kHidden) {  // fc1 + ReLU: one warp per hidden unit
+    float s = fc1_w[warp * kP + lane] * mean[lane] + fc1_w[warp * kP + lane + 32] * mean[lane + 32];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) hid[warp] = relu_keep_nan(s + fc1_b[warp]);
+  }
+  __syncthreads();
+  if (tid < kP) {  // fc2 + sigmoid
+    float s = fc2_b[tid];
+#pragma unroll
+    for (int j = 0; j < kHidden; ++j) s += fc2_w[tid * kHidden + j] * hid[j];
+    gate[tid] = 1.f / (1.f + __expf(-s));
+  }
+}
+
+// Excite and join: y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0), y when asked.
+template <class T, int kVecs>
+__device__ __forceinline__ void excite_join(const FusedBlockArgs& p, const unsigned char* halo_ptr, const float* gate,
+                                            const uint4 (&id8)[kVecs], int64_t img, int hw, int pix0, int c8) {
+  const float nb1a = p.a_next ? __ldg(p.next_b1a) : 0.f;
+  float gv[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) gv[k] = gate[8 * c8 + k];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int pix = pix0 + 32 * j;
+    if (pix >= hw) break;
+    float of[8], idf[8], y[8];
+    unpack8<T>(*reinterpret_cast<const uint4*>(halo_ptr + swz(pix, c8, kRowBytes)), of);
+    unpack8<T>(id8[j], idf);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) y[k] = relu_keep_nan(fmaf(of[k], gv[k], idf[k]));
+    const int64_t off = (img * hw + pix) * 8 + c8;
+    if (p.y) static_cast<uint4*>(p.y)[off] = pack8<T>(y);
+    if (p.a_next) static_cast<uint4*>(p.a_next)[off] = pack8_after_relu<T>(y, nb1a);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlockArgs p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -159,18 +250,11 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
   // The filters are parameters, never written by the kernel before this one in the stream: they load before the
   // programmatic wait (the predecessor had started, so everything before it had finished).
   stage_filter(filt1, p.w1);
-  {  // the squeeze-excite's parameters (16-byte aligned arrays of multiples of 4 floats)
-    const float* src[4] = {p.fc1_w, p.fc2_w, p.fc1_b, p.fc2_b};
-    float* dst[4] = {fc1_w, fc2_w, fc1_b, fc2_b};
-    const int count[4] = {kFc1W, kFc2W, kHidden, kP};
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      for (int i = tid; i < count[k] / 4; i += kThreads) cp_async16(smem_u32(dst[k] + 4 * i), src[k] + 4 * i);
-  }
+  stage_se_params(p, fc1_w, fc2_w, fc1_b, fc2_b, tid);
   cp_async_commit();
   pdl_wait_for_predecessor();
   pdl_allow_successor();
-  {  // the input with its zero halo
+  {  // the input with its zero halo (in the kernel: as a function of its own, nvcc unrolls this loop differently)
     const uint4* a = static_cast<const uint4*>(p.a) + img * hw * (kP / 8);
     for (int i = tid; i < halo_pixels * 8; i += kThreads) {
       const int hp = i >> 3, c = i & 7, hi = hp / wp, hj = hp % wp;
@@ -185,21 +269,9 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
   stage_filter(filt2, p.w2);
   cp_async_commit();
 
-  // This warp's m16 tiles: warp and warp + 8 (pixels 16 t .. 16 t + 15, row-major). The lane's ldmatrix row, and the
-  // two accumulator rows g and g + 8, as halo indices of their centre pixels.
   const int tiles = (hw / 16 > warp + kWarps) ? 2 : (hw / 16 > warp ? 1 : 0);
   int hc[2], hrow[2][2];
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    const int t = m < tiles ? warp + m * kWarps : 0;  // a tile past the image computes tile 0 again, unused
-    const int pl = 16 * t + (lane & 7) + 8 * ((lane >> 3) & 1);
-    hc[m] = (pl / p.w + 1) * wp + pl % p.w + 1;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int pa = 16 * t + g + 8 * r;
-      hrow[m][r] = (pa / p.w + 1) * wp + pa % p.w + 1;
-    }
-  }
+  tile_rows(hc, hrow, tiles, warp, lane, g, p.w, wp);
   const float b1b = __ldg(p.scalars + 1), b2a = __ldg(p.scalars + 2), scale = __ldg(p.scalars + 3),
               b2b = __ldg(p.scalars + 4);
 
@@ -237,7 +309,9 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
   }
   __syncthreads();
 
-  // Squeeze: per-channel sums of T(o), fixed order (pixels of a thread, then lanes of a warp, then warps).
+  // Squeeze: per-channel sums of T(o), fixed order (pixels of a thread, then lanes of a warp, then warps). (This
+  // loop stays in the kernel: in a function of its own, nvcc numbers sum's registers differently and the SASS
+  // changes.)
   float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int pix = pix0; pix < hw; pix += 32) {
     float f[8];
@@ -245,55 +319,11 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_kernel(const FusedBlo
 #pragma unroll
     for (int k = 0; k < 8; ++k) sum[k] += f[k];
   }
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 8);
-    sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 16);
-  }
-  if (lane < 8)
-#pragma unroll
-    for (int k = 0; k < 8; ++k) red[warp * kP + 8 * lane + k] = sum[k];
+  sums_to_mean(sum, red, mean, hw, tid, warp, lane);
   __syncthreads();
-  if (tid < kP) {
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += red[w * kP + tid];
-    mean[tid] = s / float(hw);
-  }
+  excite_gates(mean, hid, gate, fc1_w, fc1_b, fc2_w, fc2_b, tid, warp, lane);
   __syncthreads();
-  if (warp < kHidden) {  // fc1 + ReLU: one warp per hidden unit
-    float s = fc1_w[warp * kP + lane] * mean[lane] + fc1_w[warp * kP + lane + 32] * mean[lane + 32];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (lane == 0) hid[warp] = relu_keep_nan(s + fc1_b[warp]);
-  }
-  __syncthreads();
-  if (tid < kP) {  // fc2 + sigmoid
-    float s = fc2_b[tid];
-#pragma unroll
-    for (int j = 0; j < kHidden; ++j) s += fc2_w[tid * kHidden + j] * hid[j];
-    gate[tid] = 1.f / (1.f + __expf(-s));
-  }
-  __syncthreads();
-
-  // Excite and join: y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0), y when asked.
-  const float nb1a = p.a_next ? __ldg(p.next_b1a) : 0.f;
-  float gv[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) gv[k] = gate[8 * c8 + k];
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    const int pix = pix0 + 32 * j;
-    if (pix >= hw) break;
-    float of[8], idf[8], y[8];
-    unpack8<T>(*reinterpret_cast<const uint4*>(halo_ptr + swz(pix, c8, kRowBytes)), of);
-    unpack8<T>(id8[j], idf);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) y[k] = relu_keep_nan(fmaf(of[k], gv[k], idf[k]));
-    const int64_t off = (img * hw + pix) * 8 + c8;
-    if (p.y) static_cast<uint4*>(p.y)[off] = pack8<T>(y);
-    if (p.a_next) static_cast<uint4*>(p.a_next)[off] = pack8_after_relu<T>(y, nb1a);
-  }
+  excite_join<T>(p, halo_ptr, gate, id8, img, hw, pix0, c8);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

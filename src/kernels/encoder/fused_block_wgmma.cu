@@ -145,6 +145,207 @@ __device__ __forceinline__ void store_planes(uint32_t lane_addr, F pair) {
     stsm_x4_trans(lane_addr + jj * 2 * kRowPitch, r);
   }
 }
+// The filters are parameters, never written by the kernel before this one: both bulk copies start before the
+// programmatic wait; conv1 waits for its own only.
+__device__ __forceinline__ void start_filters_and_zero_buffers(const FusedBlockArgs& p, uint32_t filt1,
+                                                               uint32_t filt2, uint32_t ready1, uint32_t ready2,
+                                                               uint32_t buf0, int tid) {
+  if (tid == 0) {
+    ptx::mbar_init(ready1, 1);
+    ptx::mbar_init(ready2, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    ptx::mbar_arrive_expect_tx(ready1, kFilterBytes);
+    ptx::bulk_copy_g2s(filt1, p.w1, kFilterBytes, ready1);
+    ptx::mbar_arrive_expect_tx(ready2, kFilterBytes);
+    ptx::bulk_copy_g2s(filt2, p.w2, kFilterBytes, ready2);
+  }
+  // Both buffers zero (the halo stays so: loads and epilogues write only the interior), before any load lands.
+  for (int i = tid; i < 2 * kBufBytes / 16; i += kThreads) sts128(buf0 + 16 * i, make_uint4(0u, 0u, 0u, 0u));
+  __syncthreads();  // also publishes the barriers' initialization
+}
+
+// This CTA's image (the launcher guarantees n <= grid): its stem into buffer 0's planes (a) and buffer 1 (x, the
+// identity), the B fragments staged in buffer 1 first (no next image uses it).
+template <class T, class E, int kC>
+__device__ __forceinline__ void stem_into_buffers(const FusedBlockArgs& p, unsigned char* smem, uint32_t buf0,
+                                                  float (&sacc)[stem_tile::kMTiles][8][4], int warp) {
+  static_assert(stem_tile::smem_steps<kC>() * 4 * 32 * 16 <= kBufBytes, "the stem's B fragments fit one buffer");
+  static_assert(kThreads / 32 * stem_tile::kWarpPixels == kPix && stem_tile::kTileN == kP, "8 warps: one image");
+  const int img = blockIdx.x, m_warp = img * kPix + warp * stem_tile::kWarpPixels;
+  uint4* const staged_b = reinterpret_cast<uint4*>(smem + 2 * kFilterBytes + kBufBytes);
+  stem_tile::warp_gemm<T, E, kC, kThreads>(p.stem, m_warp, 0, staged_b, sacc);
+  __syncthreads();  // every warp is done with the staged B: x goes over it
+  stem_tile::for_each_output<T>(p.stem, sacc, m_warp, 0, [&](int m, int col, uint4 xv, uint4 av) {
+    const int pix = m - img * kPix;
+    sts128(buf0 + (col >> 3) * kPlane + ((pix >> 4) + 1) * kRowPitch + ((pix & 15) + 1) * 16, av);
+    sts128(xs_chunk(buf0 + kBufBytes, pix, col >> 3), xv);
+  });
+}
+
+// The next image into the other buffer (free: the previous iteration ended with a barrier), one group per
+// iteration even when empty, so that the waits below count the same everywhere; then this image is in.
+__device__ __forceinline__ void prefetch_next_image(const FusedBlockArgs& p, const uint4* a_in, uint32_t buf0,
+                                                    uint32_t pass_off, int pass_g, int it, int img) {
+  if (img + int(gridDim.x) < p.n)
+    load_image(buf0 + ((it + 1) & 1) * kBufBytes + pass_off, a_in + int64_t(img + gridDim.x) * kPix * 8 + pass_g);
+  cp_async_commit();
+  cp_async_wait<1>();  // this image (the next one may be in flight)
+  fence_proxy_async();
+  __syncthreads();
+}
+
+// This thread's chunks of the identity (its pass over the image from src).
+__device__ __forceinline__ void load_identity(uint4 (&id8)[kPassChunks], const uint4* src) {
+#pragma unroll
+  for (int k = 0; k < kPassChunks; ++k) id8[k] = __ldg(src + k * kPassPixels * 8);
+}
+
+// The stash pass of the training forward: h (in the planes) to h_out, h2 = T(h + b2a) to h2_out and back into the
+// planes for conv2.
+template <class T>
+__device__ __forceinline__ void stash_h_and_h2(uint32_t planes, uint4* h_out, uint4* h2_out, int64_t gimg, float b2a) {
+  __syncthreads();
+  // All of this thread's chunks are loaded first: with two warps per scheduler, a load-convert-store chain per
+  // chunk would leave the pass waiting on each load in turn (the stores below are ordered after every load).
+  uint4 hv[kPassChunks];
+#pragma unroll
+  for (int k = 0; k < kPassChunks; ++k) hv[k] = lds128(planes + k * kPassStride);
+#pragma unroll
+  for (int k = 0; k < kPassChunks; ++k) {
+    const int64_t o = gimg + k * kPassPixels * 8;
+    if (h_out) h_out[o] = hv[k];
+    float f[8];
+    unpack8<T>(hv[k], f);
+    const uint4 h2 = pack8_after_relu<T>(f, b2a);
+    if (h2_out) h2_out[o] = h2;
+    sts128(planes + k * kPassStride, h2);
+  }
+}
+
+// The squeeze-excite's weights (2.3 KB, read after conv2 by every thread) into L1 while conv2's MMAs run: 18 line
+// prefetches instead of an L2 round trip after them. (Loads into registers here are sunk past the MMAs' wait by
+// ptxas.)
+__device__ __forceinline__ void prefetch_se_weights(const FusedBlockArgs& p, int tid) {
+  constexpr int kLines = kHidden * kP * 4 / 128;  // fc1_w and fc2_w: 8 lines each
+  if (tid < kLines) {
+    ptx::prefetch_l1(p.fc1_w + tid * 32);
+    ptx::prefetch_l1(p.fc2_w + tid * 32);
+  } else if (tid == kLines) {
+    ptx::prefetch_l1(p.fc1_b);
+  } else if (tid < kLines + 3) {
+    ptx::prefetch_l1(p.fc2_b + 32 * (tid - kLines - 1));  // fc2_b: 64 floats, 2 lines
+  }
+}
+
+// conv2: v = T(acc) into vp, o = T(v * scale + b2b); the squeeze's per-channel sums of o over this thread's pixels,
+// then over the lanes of a channel (q), into part[half] (summed over the two halves by the readers: a fixed order).
+template <class T>
+__device__ __forceinline__ void squeeze_sums(const float (&d)[64], uint32_t (&vp)[32], float* part, int half, int wq,
+                                             int g, int q, float scale, float b2b) {
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    vp[2 * j] = pack2<T>(d[4 * j], d[4 * j + 1]);
+    vp[2 * j + 1] = pack2<T>(d[4 * j + 2], d[4 * j + 3]);
+    const float2 lo = pair_to_f2<T>(vp[2 * j]), hi = pair_to_f2<T>(vp[2 * j + 1]);
+    s0 += affine1<T>(lo.x, scale, b2b);
+    s0 += affine1<T>(lo.y, scale, b2b);
+    s1 += affine1<T>(hi.x, scale, b2b);
+    s1 += affine1<T>(hi.y, scale, b2b);
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    s0 += __shfl_xor_sync(0xffffffffu, s0, off);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, off);
+  }
+  if (q == 0) {
+    part[half * kP + 16 * wq + g] = s0;
+    part[half * kP + 16 * wq + g + 8] = s1;
+  }
+}
+
+// The gates' weights in registers and their intermediate values. The kernel declares them: nvcc places a
+// function's own arrays ahead of the kernel's, and its register assignment (hence the SASS) then differs.
+struct GateRegs {
+  float w1r[kHidden][2], b1r[kHidden], w2r[8][kHidden], b2r[8];
+  float hv[kHidden];
+  float sv[8];
+};
+
+// fc1 + ReLU in every warp (the same bits everywhere: the same order), then this thread's 8 gates (fc2 + sigmoid)
+// for its pass chunks' channels (c8): no serial phase, no more barriers.
+__device__ __forceinline__ void excite_gates(const FusedBlockArgs& p, const float* part, float (&gv)[8], int c8,
+                                             int lane, GateRegs& r) {
+  // Every weight load first (L1 hits after the prefetch above), then the arithmetic: written as one chain per
+  // gate, the compiler kept each gate's loads behind the previous gate's division.
+#pragma unroll
+  for (int k = 0; k < kHidden; ++k) {
+    r.w1r[k][0] = __ldg(p.fc1_w + k * kP + lane);
+    r.w1r[k][1] = __ldg(p.fc1_w + k * kP + lane + 32);
+    r.b1r[k] = __ldg(p.fc1_b + k);
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    r.b2r[e] = __ldg(p.fc2_b + 8 * c8 + e);
+#pragma unroll
+    for (int k = 0; k < kHidden; ++k) r.w2r[e][k] = __ldg(p.fc2_w + (8 * c8 + e) * kHidden + k);
+  }
+  const float m0 = (part[lane] + part[kP + lane]) / float(kPix);
+  const float m1 = (part[lane + 32] + part[kP + lane + 32]) / float(kPix);
+#pragma unroll
+  for (int k = 0; k < kHidden; ++k) {
+    float s = r.w1r[k][0] * m0 + r.w1r[k][1] * m1;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    r.hv[k] = relu_keep_nan(s + r.b1r[k]);
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    r.sv[e] = r.b2r[e];
+#pragma unroll
+    for (int k = 0; k < kHidden; ++k) r.sv[e] += r.w2r[e][k] * r.hv[k];
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) gv[e] = 1.f / (1.f + __expf(-r.sv[e]));
+}
+
+// Excite and join: v to the stash; y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0). The
+// identity: id8 (loaded while conv2 ran), or the fused stem's x in buffer 1.
+template <class T, bool kStem>
+__device__ __forceinline__ void excite_join_pass(uint4* v_out, uint4* y_out, uint4* a_next, uint32_t buf,
+                                                 uint32_t pass_off, uint32_t xs,
+                                                 const uint4 (&id8)[kPassChunks], const float (&gv)[8], int64_t gimg,
+                                                 int pix0, int c8, float scale, float b2b, float nb1a) {
+  const FaithfulPost next_post = faithful_post<T>(nb1a);
+  auto join = [&](int k, const uint4& vk, const uint4& idk) {
+    const int64_t o = gimg + k * kPassPixels * 8;
+    if (v_out) v_out[o] = vk;
+    uint4 y8, a8;
+    excite_join8<T>(vk, idk, gv, scale, b2b, next_post, y8, a8);
+    if (y_out) y_out[o] = y8;
+    if (a_next) a_next[o] = a8;
+  };
+  if constexpr (kStem) {
+    // Two chunks per iteration (independent chains for the two warps per scheduler), rolled: unrolled, this pass is
+    // ~22 KB of straight-line code, which the fused stem's larger kernel no longer finds in the instruction cache
+    // (ncu: warps stalled on instruction fetch, 9 us instead of 2.4).
+    static_assert(kPassChunks % 2 == 0, "pairs of chunks");
+#pragma unroll 1
+    for (int k = 0; k < kPassChunks; k += 2) {
+      const uint4 v0 = lds128(buf + pass_off + k * kPassStride), v1 = lds128(buf + pass_off + (k + 1) * kPassStride);
+      const uint4 x0 = lds128(xs_chunk(xs, pix0 + k * kPassPixels, c8));
+      const uint4 x1 = lds128(xs_chunk(xs, pix0 + (k + 1) * kPassPixels, c8));
+      join(k, v0, x0);
+      join(k + 1, v1, x1);
+    }
+  } else {
+    uint4 vv[kPassChunks];
+#pragma unroll
+    for (int k = 0; k < kPassChunks; ++k) vv[k] = lds128(buf + pass_off + k * kPassStride);
+#pragma unroll
+    for (int k = 0; k < kPassChunks; ++k) join(k, vv[k], id8[k]);
+  }
+}
 #endif  // KFUSE_FUSED_BLOCK_WGMMA_DEVICE
 
 // E: the stem input's element type when the kernel computes its image's stem (p.stem; kC: its channels, 0 = run
@@ -161,21 +362,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
   KFUSE_PHASES(10);  // development builds only (phase_stamps.cuh)
   KFUSE_STAMP(0, "start");
 
-  // The filters are parameters, never written by the kernel before this one: both bulk copies start before the
-  // programmatic wait; conv1 waits for its own only.
   const uint32_t ready1 = smem_u32(&filter_ready[0]), ready2 = smem_u32(&filter_ready[1]);
-  if (tid == 0) {
-    ptx::mbar_init(ready1, 1);
-    ptx::mbar_init(ready2, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    ptx::mbar_arrive_expect_tx(ready1, kFilterBytes);
-    ptx::bulk_copy_g2s(filt1, p.w1, kFilterBytes, ready1);
-    ptx::mbar_arrive_expect_tx(ready2, kFilterBytes);
-    ptx::bulk_copy_g2s(filt2, p.w2, kFilterBytes, ready2);
-  }
-  // Both buffers zero (the halo stays so: loads and epilogues write only the interior), before any load lands.
-  for (int i = tid; i < 2 * kBufBytes / 16; i += kThreads) sts128(buf0 + 16 * i, make_uint4(0u, 0u, 0u, 0u));
-  __syncthreads();  // also publishes the barriers' initialization
+  start_filters_and_zero_buffers(p, filt1, filt2, ready1, ready2, buf0, tid);
   pdl_wait_for_predecessor();
   pdl_allow_successor();
   KFUSE_STAMP(1, "wait");
@@ -188,20 +376,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
   const uint4* const idt = static_cast<const uint4*>(p.identity);
   constexpr bool kStem = !std::is_void_v<E>;
   if constexpr (kStem) {
-    // This CTA's image (the launcher guarantees n <= grid): its stem into buffer 0's planes (a) and buffer 1 (x, the
-    // identity), the B fragments staged in buffer 1 first (no next image uses it).
-    static_assert(stem_tile::smem_steps<kC>() * 4 * 32 * 16 <= kBufBytes, "the stem's B fragments fit one buffer");
-    static_assert(kThreads / 32 * stem_tile::kWarpPixels == kPix && stem_tile::kTileN == kP, "8 warps: one image");
-    const int img = blockIdx.x, m_warp = img * kPix + warp * stem_tile::kWarpPixels;
-    float sacc[stem_tile::kMTiles][8][4];
-    stem_tile::warp_gemm<T, E, kC, kThreads>(p.stem, m_warp, 0, reinterpret_cast<uint4*>(smem + 2 * kFilterBytes + kBufBytes),
-                                             sacc);
-    __syncthreads();  // every warp is done with the staged B: x goes over it
-    stem_tile::for_each_output<T>(p.stem, sacc, m_warp, 0, [&](int m, int col, uint4 xv, uint4 av) {
-      const int pix = m - img * kPix;
-      sts128(buf0 + (col >> 3) * kPlane + ((pix >> 4) + 1) * kRowPitch + ((pix & 15) + 1) * 16, av);
-      sts128(xs_chunk(buf0 + kBufBytes, pix, col >> 3), xv);
-    });
+    float sacc[stem_tile::kMTiles][8][4];  // the kernel's (as GateRegs)
+    stem_into_buffers<T, E, kC>(p, smem, buf0, sacc, warp);
   } else {
     load_image(buf0 + pass_off, a_in + int64_t(blockIdx.x) * kPix * 8 + pass_g);
   }
@@ -222,14 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
   float d[64];
   for (int it = 0, img = blockIdx.x; img < p.n; ++it, img += gridDim.x) {
     const uint32_t buf = buf0 + (it & 1) * kBufBytes;
-    // The next image into the other buffer (free: the previous iteration ended with a barrier), one group per
-    // iteration even when empty, so that the waits below count the same everywhere.
-    if (img + int(gridDim.x) < p.n)
-      load_image(buf0 + ((it + 1) & 1) * kBufBytes + pass_off, a_in + int64_t(img + gridDim.x) * kPix * 8 + pass_g);
-    cp_async_commit();
-    cp_async_wait<1>();  // this image (the next one may be in flight)
-    fence_proxy_async();
-    __syncthreads();
+    prefetch_next_image(p, a_in, buf0, pass_off, pass_g, it, img);
     if (it == 0) ptx::mbar_wait(ready1, 0);
     KFUSE_STAMP(3, "image");
     conv3x3<kBf16>(d, filt1, buf + 8 * half * 16, [] {});
@@ -252,146 +421,28 @@ __global__ void __launch_bounds__(kThreads, 1) fused_block_wgmma_kernel(const Fu
       });
     }
     uint4 id8[kPassChunks];  // the identity, loaded while conv2 runs (the fused stem's is in shared memory)
-    if constexpr (!kStem) {
-#pragma unroll
-      for (int k = 0; k < kPassChunks; ++k) id8[k] = __ldg(idt + gimg + k * kPassPixels * 8);
-    }
-    if (stash) {
-      __syncthreads();
-      // All of this thread's chunks are loaded first: with two warps per scheduler, a load-convert-store chain per
-      // chunk would leave the pass waiting on each load in turn (the stores below are ordered after every load).
-      uint4 hv[kPassChunks];
-#pragma unroll
-      for (int k = 0; k < kPassChunks; ++k) hv[k] = lds128(buf + pass_off + k * kPassStride);
-#pragma unroll
-      for (int k = 0; k < kPassChunks; ++k) {
-        const int64_t o = gimg + k * kPassPixels * 8;
-        if (h_out) h_out[o] = hv[k];
-        float f[8];
-        unpack8<T>(hv[k], f);
-        const uint4 h2 = pack8_after_relu<T>(f, b2a);
-        if (h2_out) h2_out[o] = h2;
-        sts128(buf + pass_off + k * kPassStride, h2);
-      }
-    }
+    if constexpr (!kStem) load_identity(id8, idt + gimg);
+    if (stash) stash_h_and_h2<T>(buf + pass_off, h_out, h2_out, gimg, b2a);
     fence_proxy_async();
     __syncthreads();
     if (it == 0) ptx::mbar_wait(ready2, 0);
     KFUSE_STAMP(5, "epilogue");
-    // The squeeze-excite's weights (2.3 KB, read after conv2 by every thread) into L1 while conv2's MMAs run: 18
-    // line prefetches instead of an L2 round trip after them. (Loads into registers here are sunk past the MMAs'
-    // wait by ptxas.)
-    conv3x3<kBf16>(d, filt2, buf + 8 * half * 16, [&] {
-      constexpr int kLines = kHidden * kP * 4 / 128;  // fc1_w and fc2_w: 8 lines each
-      if (tid < kLines) {
-        ptx::prefetch_l1(p.fc1_w + tid * 32);
-        ptx::prefetch_l1(p.fc2_w + tid * 32);
-      } else if (tid == kLines) {
-        ptx::prefetch_l1(p.fc1_b);
-      } else if (tid < kLines + 3) {
-        ptx::prefetch_l1(p.fc2_b + 32 * (tid - kLines - 1));  // fc2_b: 64 floats, 2 lines
-      }
-    });
+    conv3x3<kBf16>(d, filt2, buf + 8 * half * 16, [&] { prefetch_se_weights(p, tid); });
     KFUSE_STAMP(6, "conv2");
 
-    // conv2: v = T(acc), o = T(v * scale + b2b); the squeeze's per-channel sums of o over this thread's pixels, then
-    // over the lanes of a channel (q), then (below) over the two halves: a fixed order.
     uint32_t vp[32];
-    float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      vp[2 * j] = pack2<T>(d[4 * j], d[4 * j + 1]);
-      vp[2 * j + 1] = pack2<T>(d[4 * j + 2], d[4 * j + 3]);
-      const float2 lo = pair_to_f2<T>(vp[2 * j]), hi = pair_to_f2<T>(vp[2 * j + 1]);
-      s0 += affine1<T>(lo.x, scale, b2b);
-      s0 += affine1<T>(lo.y, scale, b2b);
-      s1 += affine1<T>(hi.x, scale, b2b);
-      s1 += affine1<T>(hi.y, scale, b2b);
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      s0 += __shfl_xor_sync(0xffffffffu, s0, off);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, off);
-    }
-    if (q == 0) {
-      part[half * kP + 16 * wq + g] = s0;
-      part[half * kP + 16 * wq + g + 8] = s1;
-    }
+    squeeze_sums<T>(d, vp, part, half, wq, g, q, scale, b2b);
     __syncthreads();  // the partial sums are in; both warpgroups are done reading h2: v goes over it
     KFUSE_STAMP(7, "squeeze");
     store_planes(buf + stsm_off, [&](int j, int cb) { return vp[2 * j + cb]; });
-    // fc1 + ReLU in every warp (the same bits everywhere: the same order), then each thread's 8 gates (fc2 +
-    // sigmoid) for its pass chunks' channels: no serial phase, no more barriers.
     float gv[8];
-    {
-      // Every weight load first (L1 hits after the prefetch above), then the arithmetic: written as one chain per
-      // gate, the compiler kept each gate's loads behind the previous gate's division.
-      float w1r[kHidden][2], b1r[kHidden], w2r[8][kHidden], b2r[8];
-#pragma unroll
-      for (int k = 0; k < kHidden; ++k) {
-        w1r[k][0] = __ldg(p.fc1_w + k * kP + lane);
-        w1r[k][1] = __ldg(p.fc1_w + k * kP + lane + 32);
-        b1r[k] = __ldg(p.fc1_b + k);
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        b2r[e] = __ldg(p.fc2_b + 8 * c8 + e);
-#pragma unroll
-        for (int k = 0; k < kHidden; ++k) w2r[e][k] = __ldg(p.fc2_w + (8 * c8 + e) * kHidden + k);
-      }
-      const float m0 = (part[lane] + part[kP + lane]) / float(kPix);
-      const float m1 = (part[lane + 32] + part[kP + lane + 32]) / float(kPix);
-      float hv[kHidden];
-#pragma unroll
-      for (int k = 0; k < kHidden; ++k) {
-        float s = w1r[k][0] * m0 + w1r[k][1] * m1;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        hv[k] = relu_keep_nan(s + b1r[k]);
-      }
-      float sv[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        sv[e] = b2r[e];
-#pragma unroll
-        for (int k = 0; k < kHidden; ++k) sv[e] += w2r[e][k] * hv[k];
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) gv[e] = 1.f / (1.f + __expf(-sv[e]));
-    }
+    GateRegs gate_regs;
+    excite_gates(p, part, gv, c8, lane, gate_regs);
     __syncthreads();  // v is in the planes
     KFUSE_STAMP(8, "fc");
 
-    // Excite and join: v to the stash; y = relu(o * gate + identity); a_next = y + next_b1a (faithful where y > 0).
-    const FaithfulPost next_post = faithful_post<T>(nb1a);
-    auto join = [&](int k, const uint4& vk, const uint4& idk) {
-      const int64_t o = gimg + k * kPassPixels * 8;
-      if (v_out) v_out[o] = vk;
-      uint4 y8, a8;
-      excite_join8<T>(vk, idk, gv, scale, b2b, next_post, y8, a8);
-      if (y_out) y_out[o] = y8;
-      if (a_next) a_next[o] = a8;
-    };
-    if constexpr (kStem) {
-      // Two chunks per iteration (independent chains for the two warps per scheduler), rolled: unrolled, this pass is
-      // ~22 KB of straight-line code, which the fused stem's larger kernel no longer finds in the instruction cache
-      // (ncu: warps stalled on instruction fetch, 9 us instead of 2.4).
-      static_assert(kPassChunks % 2 == 0, "pairs of chunks");
-#pragma unroll 1
-      for (int k = 0; k < kPassChunks; k += 2) {
-        const uint4 v0 = lds128(buf + pass_off + k * kPassStride), v1 = lds128(buf + pass_off + (k + 1) * kPassStride);
-        const uint4 x0 = lds128(xs_chunk(buf0 + kBufBytes, pix0 + k * kPassPixels, c8));
-        const uint4 x1 = lds128(xs_chunk(buf0 + kBufBytes, pix0 + (k + 1) * kPassPixels, c8));
-        join(k, v0, x0);
-        join(k + 1, v1, x1);
-      }
-    } else {
-      uint4 vv[kPassChunks];
-#pragma unroll
-      for (int k = 0; k < kPassChunks; ++k) vv[k] = lds128(buf + pass_off + k * kPassStride);
-#pragma unroll
-      for (int k = 0; k < kPassChunks; ++k) join(k, vv[k], id8[k]);
-    }
+    excite_join_pass<T, kStem>(v_out, y_out, a_next, buf, pass_off, buf0 + kBufBytes, id8, gv, gimg, pix0, c8, scale,
+                               b2b, nb1a);
     __syncthreads();  // the buffer is free for the image after next
     KFUSE_STAMP(9, "join");
     if (it == 0) KFUSE_PRINT_PHASES("block1");

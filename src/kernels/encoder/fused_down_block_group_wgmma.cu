@@ -50,163 +50,18 @@
 // gives the same bits). Shared memory: 96 KB ring + 16 KB shortcut filter + 64 KB image (later v, the identity and conv2's
 // exchange) + 32 KB h2 + 8.3 KB squeeze-excite weights + 3.8 KB squeeze-excite scratch + a zero pixel, barriers.
 #include <cstdint>
-#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "kernels/encoder/encoder_kernels.h"
-#include "kernels/encoder/numeric.cuh"
+#include "kernels/encoder/fused_down_block_group_phases.cuh"
 #include "kernels/programmatic_launch.h"
-#include "kernels/shared_memory_ptx.cuh"
-#include "kernels/wgmma_ptx.cuh"
 
 namespace kfuse::kernels {
 namespace {
 
-constexpr int kCin = 128, kP = 256, kHidden = kP / 16;
-constexpr int kRanks = 4, kPr = kP / kRanks;  // the group's CTAs, each with 64 output channels
-constexpr int kImages = 4;                     // per group
-constexpr int kInW = 8, kInPix = 64, kOutW = 4, kOutPix = 16, kRows = kImages * kOutPix;
-// The filter stream of one CTA: chunk 0 the shortcut, 1-9 conv1's taps, 10 + 2 t + kh conv2's tap t, input half kh.
-constexpr int kFilterPlane = kPr * 16;          // a (tap, 8-input-channel group) plane: 64 output channels x 16 B
-constexpr int kChunkBytes = 16 * kFilterPlane;  // 16 KB: 128 input channels of one tap
-constexpr int kConv2Chunk = 10, kChunks = 28, kTaps = 9;
-constexpr int kStages = 6, kFirstChunks = 2;
-// Activations: pixel-major, 16-byte chunks swizzled.
-constexpr int kImgPix = kCin * 2, kImgBytes = kImages * kInPix * kImgPix;  // [image][8 x 8][16 chunks]
-constexpr int kZeroBytes = kP * 2;                                         // a zero pixel of up to 32 chunks
-constexpr int kTilePix = kPr * 2, kTileBytes = kRows * kTilePix;           // idt, v: [row][8 chunks]
-constexpr int kH2Pix = kP * 2, kH2Bytes = kRows * kH2Pix;                  // [image][4 x 4][32 chunks]
-constexpr int kCompute = 256;                                              // two warpgroups
-constexpr int kThreads = kCompute + 32;                                    // + the producer warp
-// Over the input image once conv1 is done: v, the identity, conv2's accumulator exchange (2 x 128 threads x 16 fp32).
-constexpr int kVOff = 0, kIdtTileOff = kTileBytes, kXchgOff = 2 * kTileBytes, kXchgBytes = 2 * 128 * 16 * 4;
-// The squeeze-excite's parameters of this CTA's channels, fp32: fc1 [16][64] (columns 64 rank ..), fc1_b [16],
-// fc2 [64][16] (rows 64 rank ..), fc2_b [64].
-constexpr int kFc1W = 0, kFc1B = kFc1W + kHidden * kPr * 4, kFc2W = kFc1B + kHidden * 4,
-              kFc2B = kFc2W + kPr * kHidden * 4, kFcBytes = kFc2B + kPr * 4;
-// Its scratch: channel means [image][64], fc1 partial sums [rank][image][16] (all 4 CTAs'), hidden units [warp][16],
-// gates [warp][32], the CTA's ticket.
-constexpr int kMean = 0, kHpart = kMean + kImages * kPr * 4, kHid = kHpart + kRanks * kImages * kHidden * 4,
-              kGate = kHid + 8 * kHidden * 4, kTicket = kGate + 8 * 32 * 4, kSeBytes = kTicket + 16;
-constexpr int kRingOff = 0, kScOff = kRingOff + kStages * kChunkBytes, kImgOff = kScOff + kChunkBytes,
-              kZeroOff = kImgOff + kImgBytes, kH2Off = kZeroOff + kZeroBytes, kFcOff = kH2Off + kH2Bytes,
-              kSeOff = kFcOff + kFcBytes, kBarOff = kSeOff + kSeBytes;
-// full and empty per stage, the shortcut's filter, image_ready, conv1_done, shortcut_done
-constexpr int kBarriers = 2 * kStages + 4;
-constexpr size_t kSmemBytes = size_t(kBarOff) + kBarriers * 8;
-static_assert(kXchgOff + kXchgBytes <= kImgBytes, "v, the identity and the exchange fit over the input image");
-static_assert(kChunks == kConv2Chunk + 2 * kTaps, "shortcut, conv1's 9 taps, conv2's 9 taps x 2 halves");
-static_assert(kBarOff % 8 == 0 && kSmemBytes <= 227 * 1024, "shared memory");
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define KFUSE_FUSED_DOWN_GROUP_DEVICE 1
-#endif
-
-#ifdef KFUSE_FUSED_DOWN_GROUP_DEVICE
-using ptx::lds128;
-using ptx::smem_desc;
-using ptx::smem_u32;
-using ptx::sts128;
-
-// d (64 x 64, fp32, the warpgroup's accumulator layout) += A (registers: warp w's rows 16 w .. 16 w + 15 as
-// ldmatrix.x4 loads them, 64 x 16) * B (shared, K-major, 16 x 64).
-template <bool kBf16>
-__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-  if constexpr (kBf16) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-  } else {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-  }
-}
-
-// Swizzle of the input image's pixel (iy, ix): the 8 rows of an ldmatrix matrix are 8 output pixels (2 rows x 4
-// columns), whose stride-2 taps read ix / 2 = ox + const (4 consecutive values) and iy / 2 = oy + const (2
-// consecutive): 8 different values of f. Out-of-image pixels (-1) keep the formula (the zero pixel is read through
-// it, so the 8 rows still differ).
-__device__ __forceinline__ int img_swizzle(int iy, int ix) { return ((ix >> 1) & 3) | (((iy >> 1) & 1) << 2); }
-// Swizzle of a 4 x 4 map's pixel (h2, the tiles): stride-1 taps read 4 consecutive ix and 2 consecutive iy; for an
-// in-map pixel p = 4 iy + ix it is p & 7.
-__device__ __forceinline__ int map_swizzle(int iy, int ix) { return (ix & 3) | ((iy & 1) << 2); }
-
-// Where a lane's ldmatrix row of A starts (a pixel of 16-byte chunks, or the zero pixel) and that pixel's swizzle.
-struct RowSource {
-  uint32_t pixel;
-  int swz;
-};
-// One chunk's A fragments: 8 k-steps of 16 channels from chunk `first` of the row's pixel; `hi` (lane / 16) picks
-// the upper 8 channels of each step.
-__device__ __forceinline__ void load_a(uint32_t (&a)[8][4], RowSource src, int first, int hi) {
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) ptx::ldsm_x4(a[kk], src.pixel + (((first + 2 * kk + hi) ^ src.swz) << 4));
-}
-
-// The group's handshake on a counter in global memory (CUTLASS's semaphore pattern): the writing threads' global
-// writes, a barrier among them, then one thread's release increment (group_arrive, `per_launch` increments per group
-// and launch); a thread later waits until the counter shows all of this launch's increments (the generation: an
-// increment's old value / per_launch), then a barrier of the readers (group_wait). Counters only grow.
-__device__ __forceinline__ unsigned group_arrive(unsigned* counter, unsigned per_launch) {
-  unsigned old;
-  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-  return (old / per_launch + 1) * per_launch;
-}
-__device__ __forceinline__ void group_wait(const unsigned* counter, unsigned target) {
-  unsigned now;
-  do {
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(now) : "l"(counter) : "memory");
-  } while (int(now - target) < 0);
-}
-__device__ __forceinline__ void group_handshake(unsigned* counter, int tid) {
-  ptx::named_barrier(1, 256);
-  if (tid == 0) group_wait(counter, group_arrive(counter, kRanks));
-  ptx::named_barrier(1, 256);
-}
-
-// The 9 taps of a convolution into acc: tap t's A fragments from a_src(t) (chunk `first` on), its filter chunk at
-// b_addr(t) (16 KB, tap planes) once wait(t) returned; release(t) once its MMAs completed. One commit group per tap,
-// one group in flight, the next tap's fragments loading while a tap's MMAs run (two register buffers, so the loop
-// takes two taps per iteration and stays rolled).
-template <bool kBf16, class Src, class BAddr, class Wait, class Release>
-__device__ __forceinline__ void conv_taps(float (&acc)[32], uint32_t (&a)[2][8][4], int first, int hi, Src a_src,
-                                          BAddr b_addr, Wait wait, Release release) {
-  auto step = [&](auto buffer, int t) {
-    constexpr int B = decltype(buffer)::value;
-    wait(t);
-    ptx::hold(acc);
-    ptx::hold(a[B]);
-    ptx::wgmma_fence();  // one fence per batch (as CUTLASS's mainloop), so that ptxas need not inject waits
-    const uint32_t b = b_addr(t);
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-      wgmma_m64n64k16_rs<kBf16>(acc, a[B][kk], smem_desc(b + 2 * kk * kFilterPlane, kFilterPlane, 8 * 16));
-    ptx::wgmma_commit();
-    if (t > 0) {
-      ptx::wgmma_wait<1>();
-      ptx::hold(acc);
-      ptx::hold(a[B ^ 1]);
-      release(t - 1);
-    }
-    if (t + 1 < kTaps) load_a(a[B ^ 1], a_src(t + 1), first, hi);
-  };
-  load_a(a[0], a_src(0), first, hi);
-#pragma unroll 1
-  for (int t = 0; t + 1 < kTaps; t += 2) {
-    step(std::integral_constant<int, 0>{}, t);
-    step(std::integral_constant<int, 1>{}, t + 1);
-  }
-  step(std::integral_constant<int, 0>{}, kTaps - 1);
-  ptx::wgmma_wait<0>();
-  ptx::hold(acc);
-  release(kTaps - 1);
-}
-
-#endif  // KFUSE_FUSED_DOWN_GROUP_DEVICE
+using namespace down_group;
 
 template <class T, bool kBf16>
 __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(const FusedDownBlockArgs p) {
@@ -226,29 +81,13 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
   const int tid = threadIdx.x;
   unsigned* const sync = p.sync;  // [0] the ticket counter, [1 + 2 group] h2's, [2 + 2 group] the partial sums'
 
-  if (tid == 0) {
-    // The ticket: CTAs take them in the order they start; atomicInc wraps to 0 after the grid's last one. Asked
-    // first: its round trip overlaps the barriers' initialization.
-    const unsigned ticket = atomicInc(sync, gridDim.x - 1);
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(full0 + 8 * s, 1);
-      ptx::mbar_init(empty0 + 8 * s, 4);  // the 4 warps of the warpgroup that reads the chunk
-    }
-    ptx::mbar_init(sc_full, 1);
-    ptx::mbar_init(image_ready, kCompute / 32);
-    ptx::mbar_init(conv1_done, 4);
-    ptx::mbar_init(shortcut_done, 4);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    reinterpret_cast<unsigned*>(smem + kSeOff + kTicket)[0] = ticket;
-  }
-  if (tid < kZeroBytes / 16) sts128(zero + 16 * tid, make_uint4(0u, 0u, 0u, 0u));
-  __syncthreads();  // publishes the barriers' initialization and the ticket; the last CTA-wide barrier
-  const int ticket = int(reinterpret_cast<const unsigned*>(smem + kSeOff + kTicket)[0]);
+  const int ticket = init_barriers_and_ticket(sync, smem, full0, zero, tid);
   const int rank = ticket % kRanks, group = ticket / kRanks, image0 = group * kImages;
 
   if (tid >= kCompute) {
     // The producer: the filters are parameters, never written by the kernels before this one, so the stream starts
     // before the programmatic wait.
+    // (A device function of its own, this loop compiles differently: it stays in the kernel.)
     if (tid == kCompute) {
       const char* src = static_cast<const char*>(p.filters) + size_t(rank) * kChunks * kChunkBytes;
       ptx::mbar_arrive_expect_tx(sc_full, kChunkBytes);
@@ -263,130 +102,36 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
     }
     return;
   }
-  // The squeeze-excite's weights of this CTA's channels in the first cp.async group, waited for with the image.
-  for (int i = tid; i < kHidden * kPr / 4; i += kCompute)  // fc1 columns 64 rank .. 64 rank + 63 of each row
-    ptx::cp_async16(fc + kFc1W + 16 * i, p.fc1_w + (i / (kPr / 4)) * kP + kPr * rank + 4 * (i % (kPr / 4)));
-  for (int i = tid; i < kPr * kHidden / 4; i += kCompute)
-    ptx::cp_async16(fc + kFc2W + 16 * i, p.fc2_w + kPr * kHidden * rank + 4 * i);
-  if (tid < kHidden / 4) ptx::cp_async16(fc + kFc1B + 16 * tid, p.fc1_b + 4 * tid);
-  if (tid < kPr / 4) ptx::cp_async16(fc + kFc2B + 16 * tid, p.fc2_b + kPr * rank + 4 * tid);
-  ptx::cp_async_commit();
+  load_se_weights(p, fc, rank, tid);
   pdl_wait_for_predecessor();
   pdl_allow_successor();
-
-  // The group's 4 input images, swizzled (images past n: zeros; their rows are never stored).
-  {
-    const uint4* a_in = static_cast<const uint4*>(p.a);
-#pragma unroll 4
-    for (int k = 0; k < kImages * kInPix * 16 / kCompute; ++k) {
-      const int id = k * kCompute + tid, i = id >> 10, pix = (id >> 4) & 63, c = id & 15;
-      const uint32_t dst = img + (i * kInPix + pix) * kImgPix + ((c ^ img_swizzle(pix >> 3, pix & 7)) << 4);
-      if (image0 + i < p.n)
-        ptx::cp_async16(dst, a_in + (int64_t(image0 + i) * kInPix + pix) * 16 + c);
-      else
-        sts128(dst, make_uint4(0u, 0u, 0u, 0u));
-    }
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
-    __syncwarp();
-    if ((tid & 31) == 0) ptx::mbar_arrive(image_ready);
-  }
+  load_images(p, image0, img, image_ready, tid);
   ptx::named_barrier(1, kCompute);
 
   const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2, w4 = warp & 3, q = lane & 3, mi = lane >> 3,
             hi = mi >> 1;
-  // This lane's ldmatrix / stmatrix row: output pixel pl of image w4 (row 16 w4 + pl of M).
-  const int pl = 8 * (mi & 1) + (lane & 7), oy = pl >> 2, ox = pl & 3, row = 16 * w4 + pl;
-  auto slot_of = [](int c) { return (c - 1) % kStages; };
-  auto wait_chunk = [&](int c) { ptx::mbar_wait(full0 + 8 * slot_of(c), ((c - 1) / kStages) & 1); };
-  // Once this warp's MMAs that read chunk c completed (after a wgmma wait): its stage may be refilled.
-  auto release_chunk = [&](int c) {
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(empty0 + 8 * slot_of(c));
-  };
+  const int pl = 8 * (mi & 1) + (lane & 7);
+  const LaneRow lr{w4, pl, pl >> 2, pl & 3, 16 * w4 + pl};
+  const FilterRing fr{ring, full0, empty0, lane};
   uint32_t a[2][8][4];
   float acc[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
 
   // conv1's taps, then the shortcut's on the same A fragments, one after the other on the tensor cores (side by side,
-  // each ran at half speed: 4.5 us for both): warpgroup 0 multiplies them with conv1's filter (chunks 1-9 of the
-  // ring); warpgroup 1 then with the shortcut's 1x1 filter (its own buffer, the same on every tap: the pooled
-  // shortcut is the sum over the taps / 9) while warpgroup 0 writes h2 and the group exchanges it.
+  // each ran at half speed: 4.5 us for both): warpgroup 0 multiplies them with conv1's filter; warpgroup 1 then with
+  // the shortcut's 1x1 filter while warpgroup 0 writes h2 and the group exchanges it.
   const float b1b = __ldg(p.scalars + 1), scale = __ldg(p.scalars + 3), b2b = __ldg(p.scalars + 4);
   const FaithfulPost h2_post = faithful_post<T>(__ldg(p.scalars + 2));  // b2a
-  auto conv1_row = [&](int t) {
-    const int iy = 2 * oy + t / 3 - 1, ix = 2 * ox + t % 3 - 1;
-    const uint32_t px = iy >= 0 && ix >= 0 ? img + (w4 * kInPix + iy * kInW + ix) * kImgPix : zero;
-    return RowSource{px, img_swizzle(iy, ix)};
-  };
-  uint4* const h2_global = static_cast<uint4*>(p.h2);
   unsigned h2_target = 0;
-  if (wg == 0) {
-    conv_taps<kBf16>(
-        acc, a, 0, hi, conv1_row, [&](int t) { return ring + slot_of(1 + t) * kChunkBytes; },
-        [&](int t) { wait_chunk(1 + t); }, [&](int t) { release_chunk(1 + t); });
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(conv1_done);
-    // h2 through stmatrix into this CTA's channels of the local h2 (lane l addresses row l % 8 of matrix l / 8:
-    // pixel pl, channel block 2 jj + hi), then to args.h2 and the group's counter.
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const int cb = 2 * jj + hi;
-      uint32_t r[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        r[u] = relu_post_pair<T>(acc[8 * jj + 2 * u], acc[8 * jj + 2 * u + 1], b1b, h2_post);
-      }
-      ptx::stsm_x4(h2 + row * kH2Pix + (((kPr / 8 * rank + cb) ^ (pl & 7)) << 4), r);
-    }
-    __syncwarp();
-    // Each warp copies the rows it wrote (its image: 16 pixels x 8 chunks) and increments the counter itself (16
-    // increments per group and launch), so that the warpgroup needs no barrier of its own.
-    const int image = image0 + w4;
-#pragma unroll
-    for (int k = 0; k < kOutPix * 8 / 32; ++k) {
-      const int id = k * 32 + lane, px = 16 * w4 + (id >> 3), j = id & 7;
-      if (image < p.n)
-        h2_global[(int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + kPr / 8 * rank + j] =
-            lds128(h2 + px * kH2Pix + (((kPr / 8 * rank + j) ^ (px & 7)) << 4));
-    }
-    __syncwarp();
-    if (lane == 0) {
-      const unsigned target = group_arrive(sync + 1 + 2 * group, kRanks * 4);
-      if (tid == 0) h2_target = target;
-    }
-  } else {
-    ptx::mbar_wait(conv1_done, 0);
-    ptx::mbar_wait(sc_full, 0);
-    conv_taps<kBf16>(
-        acc, a, 0, hi, conv1_row, [&](int) { return scf; }, [](int) {}, [](int) {});
-    // This warpgroup is done with the input image: the identity goes over it. (An mbarrier: with 128-thread named
-    // barriers for each warpgroup, compute-sanitizer's racecheck reported hazards across the 256-thread barriers
-    // after conv2, which it does not without them.)
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(shortcut_done);
-    ptx::mbar_wait(shortcut_done, 0);
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const int cb = 2 * jj + hi;
-      uint32_t r[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) r[u] = pack2<T>(acc[8 * jj + 2 * u] / 9.f, acc[8 * jj + 2 * u + 1] / 9.f);
-      ptx::stsm_x4(idt + row * kTilePix + ((cb ^ (pl & 7)) << 4), r);
-    }
-  }
+  if (wg == 0)
+    h2_target = conv1_and_publish_h2<T, kBf16>(p, acc, a, fr, lr, img, zero, h2, conv1_done, b1b, h2_post, rank, group,
+                                               image0, hi, tid);
+  else
+    shortcut_to_identity<T, kBf16>(acc, a, lr, img, zero, scf, idt, conv1_done, sc_full, shortcut_done, hi, lane);
   if (tid == 0) group_wait(sync + 1 + 2 * group, h2_target);
   ptx::named_barrier(1, kCompute);  // the group's slices of h2 are in args.h2; the input image is free
-#pragma unroll
-  for (int k = 0; k < kRows * 24 / kCompute; ++k) {
-    const int id = k * kCompute + tid, px = id / 24, c = (id % 24 + kPr / 8 * (rank + 1)) % (kP / 8),
-              image = image0 + (px >> 4);
-    if (image < p.n)
-      ptx::cp_async16(h2 + px * kH2Pix + ((c ^ (px & 7)) << 4),
-                      h2_global + (int64_t(image) * kOutPix + (px & 15)) * (kP / 8) + c);
-  }
-  ptx::cp_async_commit();
+  gather_h2(p, h2, rank, image0, tid);
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
   ptx::cp_async_wait<0>();
@@ -394,135 +139,25 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_group_kernel(con
 
   // conv2: warpgroup g takes the chunks of input half g (chunk 10 + 2 t + g: tap t, channels 128 g .. 128 g + 127).
   {
-    auto conv2_row = [&](int t) {
-      const int iy = oy + t / 3 - 1, ix = ox + t % 3 - 1;
-      const bool in = iy >= 0 && iy < kOutW && ix >= 0 && ix < kOutW;
-      return RowSource{in ? h2 + (w4 * kOutPix + iy * kOutW + ix) * kH2Pix : zero, map_swizzle(iy, ix)};
-    };
     auto chunk = [&](int t) { return kConv2Chunk + 2 * t + wg; };
     conv_taps<kBf16>(
-        acc, a, 16 * wg, hi, conv2_row, [&](int t) { return ring + slot_of(chunk(t)) * kChunkBytes; },
-        [&](int t) { wait_chunk(chunk(t)); }, [&](int t) { release_chunk(chunk(t)); });
+        acc, a, 16 * wg, hi, [&](int t) { return lr.conv2(h2, zero, t); }, [&](int t) { return fr.chunk(chunk(t)); },
+        [&](int t) { fr.wait(chunk(t)); }, [&](int t) { fr.release(chunk(t)); });
   }
-  // The two halves' sums: warpgroup g keeps channels 32 g .. 32 g + 31 (accumulator registers 16 g .. 16 g + 15:
-  // selected with constant indices, so that the array stays in registers) and gives the other 16 registers to the
-  // other warpgroup's thread of the same warp and lane.
   float mine[16];
-  {
-    const int tw = tid & 127;
-    float theirs[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      mine[i] = wg == 0 ? acc[i] : acc[16 + i];
-      theirs[i] = wg == 0 ? acc[16 + i] : acc[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(xchg + ((1 - wg) * 512 + i * 128 + tw) * 16),
-                   "f"(theirs[4 * i]), "f"(theirs[4 * i + 1]), "f"(theirs[4 * i + 2]), "f"(theirs[4 * i + 3])
-                   : "memory");
-    ptx::named_barrier(1, kCompute);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float4 v;
-      asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                   : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                   : "r"(xchg + (wg * 512 + i * 128 + tw) * 16));
-      mine[4 * i] += v.x, mine[4 * i + 1] += v.y, mine[4 * i + 2] += v.z, mine[4 * i + 3] += v.w;
-    }
-  }
+  sum_halves(acc, mine, xchg, wg, tid);
 
-  // v = T(acc) of the warpgroup's 32 channels into its tile; the squeeze's sums of o = T(v * scale + b2b) over the
-  // image's 16 pixels: this thread's two rows, then the 8 lanes of a channel (g = lane / 4).
-  float cs[8];
-#pragma unroll
-  for (int jj = 0; jj < 2; ++jj) {
-    const int cb = 2 * (2 * wg + jj) + hi;
-    uint32_t r[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) r[u] = pack2<T>(mine[8 * jj + 2 * u], mine[8 * jj + 2 * u + 1]);
-    ptx::stsm_x4(vt + row * kTilePix + ((cb ^ (pl & 7)) << 4), r);
-    // r[0] / r[1]: the pair's first column block, rows g / g + 8; r[2] / r[3]: its second.
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const float2 lo = pair_to_f2<T>(r[2 * b]), up = pair_to_f2<T>(r[2 * b + 1]);
-      cs[2 * (2 * jj + b)] = affine1<T>(lo.x, scale, b2b) + affine1<T>(up.x, scale, b2b);
-      cs[2 * (2 * jj + b) + 1] = affine1<T>(lo.y, scale, b2b) + affine1<T>(up.y, scale, b2b);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-#pragma unroll
-    for (int off = 4; off <= 16; off <<= 1) cs[k] += __shfl_xor_sync(0xffffffffu, cs[k], off);
-  }
-  float* const mean = se + kMean / 4 + w4 * kPr;  // [image][64]
-  if (lane < 4) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) mean[32 * wg + 8 * (k >> 1) + 2 * q + (k & 1)] = cs[k] / float(kOutPix);
-  }
+  store_v_and_means<T>(mine, vt, se, lr, wg, hi, lane, q, scale, b2b);
+  const float* const mean = se + kMean / 4 + w4 * kPr;
   ptx::named_barrier(1, kCompute);  // both warpgroups' means of the image are in
-  // fc1's partial sums over this CTA's 64 channels: warp (g, image) takes hidden units 8 g .. 8 g + 7, 4 lanes per
-  // unit, 16 channels per lane (each lane group starting at its own channel: the fc1 rows would share banks), kept
-  // here and pushed to the other CTAs' slot [rank].
-  {
-    const int k = 8 * wg + (lane >> 2), part = lane & 3;
-    float s = 0.f;
-#pragma unroll
-    for (int u = 0; u < 16; ++u) {
-      const int c = 16 * part + ((u + (lane >> 2)) & 15);
-      s += fc1_w[k * kPr + c] * mean[c];
-    }
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    if (part == 0) p.partials[(int64_t(group) * kRanks + rank) * kImages * kHidden + w4 * kHidden + k] = s;
-  }
+  fc1_partials(p, fc1_w, mean, group, rank, wg, w4, lane);
   group_handshake(sync + 2 + 2 * group, tid);
-  // The 4 ranks' partial sums of the group: [rank][image][unit], 1 KB, through L2.
-  {
-    const float4* src = reinterpret_cast<const float4*>(p.partials + int64_t(group) * kRanks * kImages * kHidden);
-    if (tid < kRanks * kImages * kHidden / 4) {
-      const float4 v = __ldcg(src + tid);
-      reinterpret_cast<float4*>(se + kHpart / 4)[tid] = v;
-    }
-  }
+  load_group_partials(p, se, group, tid);
   ptx::named_barrier(1, kCompute);
-  // fc1 + ReLU (the 4 ranks' partial sums in rank order; both warpgroups compute the image's 16 units), then the
-  // warp's 32 gates (fc2 + sigmoid).
   float* const hid = se + kHid / 4 + warp * kHidden;
   float* const gates = se + kGate / 4 + warp * 32;
-  if (lane < kHidden) {
-    const float* hp = se + kHpart / 4 + w4 * kHidden + lane;
-    const float s = ((hp[0] + hp[kImages * kHidden]) + hp[2 * kImages * kHidden]) + hp[3 * kImages * kHidden];
-    hid[lane] = relu_keep_nan(s + fc1_b[lane]);
-  }
-  __syncwarp();
-  {
-    const int c = 32 * wg + lane;
-    float s = fc2_b[c];
-#pragma unroll
-    for (int u = 0; u < kHidden; ++u) {
-      const int k = (u + lane) & (kHidden - 1);
-      s += fc2_w[c * kHidden + k] * hid[k];
-    }
-    gates[lane] = 1.f / (1.f + __expf(-s));
-  }
-  __syncwarp();
-  // The join: the warp's image, 16 pixels x its 4 chunks; 4 lanes store one pixel's 64 bytes.
-  const int image = image0 + w4;
-  if (image >= p.n) return;
-  const FaithfulPost next_post = faithful_post<T>(p.a_next ? __ldg(p.next_b1a) : 0.f);
-  uint4* const y_out = static_cast<uint4*>(p.y);
-  uint4* const a_next = static_cast<uint4*>(p.a_next);
-#pragma unroll 1
-  for (int k = 0; k < kOutPix * 4 / 32; ++k) {
-    const int id = k * 32 + lane, px = id >> 2, j = id & 3, cb = 4 * wg + j, r = 16 * w4 + px;
-    uint4 y8, a8;
-    excite_join8<T>(lds128(vt + r * kTilePix + ((cb ^ (px & 7)) << 4)), lds128(idt + r * kTilePix + ((cb ^ (px & 7)) << 4)),
-                    gates + 8 * j, scale, b2b, next_post, y8, a8);
-    const int64_t o = (int64_t(image) * kOutPix + px) * (kP / 8) + kPr / 8 * rank + cb;
-    if (y_out) y_out[o] = y8;
-    if (a_next) a_next[o] = a8;
-  }
+  warp_gates(se, hid, gates, fc1_b, fc2_w, fc2_b, wg, w4, lane);
+  excite_join_store<T>(p, gates, vt, idt, image0, rank, wg, w4, lane, scale, b2b);
 #else
   // Compiled for another architecture: never launched (fused_down_block_group_smem_bytes requires compute
   // capability 9.0).

@@ -113,23 +113,9 @@ __device__ __forceinline__ uint32_t tile_chunk(uint32_t base, int pix, int c16) 
   return base + (pix * 16 + (c16 ^ (pix & 7))) * 16;
 }
 
-#endif  // KFUSE_FUSED_DOWN_BLOCK_DEVICE
-
-template <class T, bool kBf16>
-__global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(const FusedDownBlockArgs p) {
-#ifdef KFUSE_FUSED_DOWN_BLOCK_DEVICE
-  extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t base = smem_u32(smem);
-  const uint32_t ring = base + kRingOff, img = base + kImgOff, pool = base + kPoolOff, h2 = base + kH2Off,
-                 idt = base + kIdtOff, fc = base + kFcOff, full0 = base + kBarOff, empty0 = full0 + 8 * kStages,
-                 image_ready = empty0 + 8 * kStages;
-  float* const part = reinterpret_cast<float*>(smem + kPartOff);  // [8 warps][64 channels of the warp's group]
-  const float* const fc1_w = reinterpret_cast<const float*>(smem + kFcOff + kFc1W);
-  const float* const fc1_b = reinterpret_cast<const float*>(smem + kFcOff + kFc1B);
-  const float* const fc2_w = reinterpret_cast<const float*>(smem + kFcOff + kFc2W);
-  const float* const fc2_b = reinterpret_cast<const float*>(smem + kFcOff + kFc2B);
-  const int tid = threadIdx.x;
-
+// The barriers (a full and an empty one per ring stage, image_ready) and the zero halos of the input and h2 images.
+__device__ __forceinline__ void init_barriers_and_halos(int tid, uint32_t full0, uint32_t empty0, uint32_t image_ready,
+                                                        uint32_t img, uint32_t h2) {
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(full0 + 8 * s, 1);
@@ -143,58 +129,55 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
     for (int i = tid; i < kImgBytes / 16; i += kCompute) sts128(img + 16 * i, make_uint4(0u, 0u, 0u, 0u));
     for (int i = tid; i < kH2Bytes / 16; i += kCompute) sts128(h2 + 16 * i, make_uint4(0u, 0u, 0u, 0u));
   }
-  __syncthreads();  // also publishes the barriers' initialization; the last CTA-wide barrier
+}
 
-  if (tid >= kCompute) {
-    // The producer: the filters are parameters, never written by the kernels before this one, so the stream starts
-    // before the programmatic wait.
-    if (tid == kCompute) {
-      const char* src = static_cast<const char*>(p.filters);
-      for (int c = 0; c < kChunks; ++c) {
-        const int s = c % kStages;
-        // Past the first two chunks, only once the image has landed: otherwise the first 128 KB of filters share the
-        // SM's L2 ingress with the image, which every warp waits for (measured: 3 us for its 32 KB).
-        if (c == kFirstChunks) ptx::mbar_wait(image_ready, 0);
-        if (c >= kStages) ptx::mbar_wait(empty0 + 8 * s, (c / kStages - 1) & 1);
-        ptx::mbar_arrive_expect_tx(full0 + 8 * s, kChunkBytes);
-        ptx::bulk_copy_g2s(ring + s * kChunkBytes, src + size_t(c) * kChunkBytes, kChunkBytes, full0 + 8 * s);
-      }
-    }
-    return;
+// The producer thread: the 28 filter chunks through the ring.
+__device__ __forceinline__ void stream_filters(const void* filters, uint32_t ring, uint32_t full0, uint32_t empty0,
+                                               uint32_t image_ready) {
+  const char* src = static_cast<const char*>(filters);
+  for (int c = 0; c < kChunks; ++c) {
+    const int s = c % kStages;
+    // Past the first two chunks, only once the image has landed: otherwise the first 128 KB of filters share the
+    // SM's L2 ingress with the image, which every warp waits for (measured: 3 us for its 32 KB).
+    if (c == kFirstChunks) ptx::mbar_wait(image_ready, 0);
+    if (c >= kStages) ptx::mbar_wait(empty0 + 8 * s, (c / kStages - 1) & 1);
+    ptx::mbar_arrive_expect_tx(full0 + 8 * s, kChunkBytes);
+    ptx::bulk_copy_g2s(ring + s * kChunkBytes, src + size_t(c) * kChunkBytes, kChunkBytes, full0 + 8 * s);
   }
-  // The squeeze-excite's weights (parameters too) in the first cp.async group, waited for with the image.
-  {
-    const struct {
-      const float* src;
-      int off, bytes;
-    } fc_params[4] = {{p.fc1_w, kFc1W, kHidden * kP * 4}, {p.fc1_b, kFc1B, kHidden * 4},
-                      {p.fc2_w, kFc2W, kP * kHidden * 4}, {p.fc2_b, kFc2B, kP * 4}};
-#pragma unroll
-    for (const auto& f : fc_params)
-      for (int i = tid; i < f.bytes / 16; i += kCompute) ptx::cp_async16(fc + f.off + 16 * i, f.src + 4 * i);
-    ptx::cp_async_commit();
-  }
-  pdl_wait_for_predecessor();
-  pdl_allow_successor();
+}
 
-  // The input image into the parity planes: 256 pixels x 8 chunks, consecutive threads on consecutive 16 bytes.
-  const int image = blockIdx.x;
-  {
-    const uint4* a_in = static_cast<const uint4*>(p.a) + int64_t(image) * kInPix * 8;
+// The squeeze-excite's weights (parameters too) in the first cp.async group, waited for with the image.
+__device__ __forceinline__ void load_se_weights(const FusedDownBlockArgs& p, uint32_t fc, int tid) {
+  const struct {
+    const float* src;
+    int off, bytes;
+  } fc_params[4] = {{p.fc1_w, kFc1W, kHidden * kP * 4}, {p.fc1_b, kFc1B, kHidden * 4},
+                    {p.fc2_w, kFc2W, kP * kHidden * 4}, {p.fc2_b, kFc2B, kP * 4}};
 #pragma unroll
-    for (int k = 0; k < kInPix * 8 / kCompute; ++k) {
-      const int id = k * kCompute + tid, pix = id >> 3, c8 = id & 7, y = pix / kInW, x = pix % kInW;
-      ptx::cp_async16(img + c8 * kImgPlane + ((y & 1) * 2 + (x & 1)) * kSubBytes + ((y >> 1) + 1) * kSubRow +
-                          ((x >> 1) + 1) * 16,
-                      a_in + id);
-    }
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
-    __syncwarp();
-    if ((tid & 31) == 0) ptx::mbar_arrive(image_ready);
+  for (const auto& f : fc_params)
+    for (int i = tid; i < f.bytes / 16; i += kCompute) ptx::cp_async16(fc + f.off + 16 * i, f.src + 4 * i);
+  ptx::cp_async_commit();
+}
+
+// The input image into the parity planes: 256 pixels x 8 chunks, consecutive threads on consecutive 16 bytes.
+__device__ __forceinline__ void load_image(const void* a, int image, uint32_t img, uint32_t image_ready, int tid) {
+  const uint4* a_in = static_cast<const uint4*>(a) + int64_t(image) * kInPix * 8;
+#pragma unroll
+  for (int k = 0; k < kInPix * 8 / kCompute; ++k) {
+    const int id = k * kCompute + tid, pix = id >> 3, c8 = id & 7, y = pix / kInW, x = pix % kInW;
+    ptx::cp_async16(img + c8 * kImgPlane + ((y & 1) * 2 + (x & 1)) * kSubBytes + ((y >> 1) + 1) * kSubRow +
+                        ((x >> 1) + 1) * 16,
+                    a_in + id);
   }
-  ptx::named_barrier(1, kCompute);
-  // The shortcut's pool: avgpool3x3 / stride 2 / pad 1 of a, padding counted (always / 9), in fp32, one rounding.
+  ptx::cp_async_commit();
+  ptx::cp_async_wait<0>();
+  __syncwarp();
+  if ((tid & 31) == 0) ptx::mbar_arrive(image_ready);
+}
+
+// The shortcut's pool: avgpool3x3 / stride 2 / pad 1 of a, padding counted (always / 9), in fp32, one rounding.
+template <class T>
+__device__ __forceinline__ void pool_image(uint32_t img, uint32_t pool, int tid) {
 #pragma unroll 1
   for (int k = 0; k < kPix * 8 / kCompute; ++k) {
     const int id = k * kCompute + tid, po = id >> 3, c8 = id & 7, i = po / kOutW, j = po % kOutW;
@@ -210,61 +193,66 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
     for (int e = 0; e < 8; ++e) sum[e] = sum[e] / 9.f;
     sts128(pool + c8 * kPoolPlane + po * 16, pack8<T>(sum));
   }
-  ptx::fence_proxy_async();
-  ptx::named_barrier(1, kCompute);
+}
 
-  const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2, w4 = warp & 3, q = lane & 3, g = lane >> 2;
-  const uint32_t b_half = wg * (kFilterPlane / 2);  // this warpgroup's 64 output channels in a filter plane
-  auto b_desc = [&](int slot, int kk) {
+// The filter ring as a compute warp sees it: the B descriptors of this warpgroup's 64 output channels in a stage,
+// the wait for a chunk, and its release.
+struct FilterRing {
+  uint32_t ring, full0, empty0, b_half;
+  int lane;
+  __device__ __forceinline__ uint64_t b_desc(int slot, int kk) const {
     return smem_desc(ring + slot * kChunkBytes + 2 * kk * kFilterPlane + b_half, kFilterPlane, 8 * 16);
-  };
-  auto wait_chunk = [&](int c) { ptx::mbar_wait(full0 + 8 * (c % kStages), (c / kStages) & 1); };
+  }
+  __device__ __forceinline__ void wait(int c) const { ptx::mbar_wait(full0 + 8 * (c % kStages), (c / kStages) & 1); }
   // Once this warp's MMAs that read chunk c completed (after a wgmma wait): its stage may be refilled.
-  auto release_chunk = [&](int c) {
+  __device__ __forceinline__ void release(int c) const {
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(empty0 + 8 * (c % kStages));
-  };
+  }
+};
 
-  // The shortcut (chunk 0) and conv1 (chunks 1-9), one commit group per chunk, one group left in flight.
-  float acc_sc[32], acc[32];
+// The shortcut (chunk 0) and conv1 (chunks 1-9), one commit group per chunk, one group left in flight.
+template <bool kBf16>
+__device__ __forceinline__ void shortcut_and_conv1(float (&acc_sc)[32], float (&acc)[32], const FilterRing& fr,
+                                                   uint32_t pool, uint32_t img) {
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc_sc[i] = 0.f, acc[i] = 0.f;
-  wait_chunk(0);
+  fr.wait(0);
   ptx::hold(acc_sc);
   ptx::hold(acc);  // zeroed before the first batch: ptxas would otherwise wait for it before conv1's
   ptx::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
-    wgmma_m64n64k16_ss<kBf16>(acc_sc, smem_desc(pool + 2 * kk * kPoolPlane, kPoolPlane, 8 * 16), b_desc(0, kk));
+    wgmma_m64n64k16_ss<kBf16>(acc_sc, smem_desc(pool + 2 * kk * kPoolPlane, kPoolPlane, 8 * 16), fr.b_desc(0, kk));
   ptx::wgmma_commit();
 #pragma unroll
   for (int t = 0; t < 9; ++t) {
     const int c = kConv1Chunk + t;
-    wait_chunk(c);
+    fr.wait(c);
     ptx::hold(acc);
     ptx::wgmma_fence();  // as CUTLASS's mainloop: one fence per batch, so that ptxas need not inject waits
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
       wgmma_m64n64k16_ss<kBf16>(
           acc, smem_desc(img + 2 * kk * kImgPlane + tap_offset(t / 3, t % 3), kImgPlane, kSubRow),
-          b_desc(c % kStages, kk));
+          fr.b_desc(c % kStages, kk));
     ptx::wgmma_commit();
     ptx::wgmma_wait<1>();
     ptx::hold(acc);
-    release_chunk(c - 1);
+    fr.release(c - 1);
   }
   ptx::wgmma_wait<0>();
   ptx::hold(acc);
   ptx::hold(acc_sc);
-  release_chunk(kConv2Chunk - 1);
-  ptx::named_barrier(1, kCompute);  // both warpgroups' shortcut MMAs are done with the pooled image: idt goes over it
+  fr.release(kConv2Chunk - 1);
+}
 
-  // Epilogues through stmatrix: the identity T(acc_sc) into its tile, h2 into the haloed image. Lane l addresses row
-  // l % 8 of matrix l / 8: pixel 16 w4 + 8 (matrix & 1) + l % 8, channel block (8 wg + 2 jj + (matrix >> 1)).
-  const float b1b = __ldg(p.scalars + 1), scale = __ldg(p.scalars + 3), b2b = __ldg(p.scalars + 4);
-  const FaithfulPost h2_post = faithful_post<T>(__ldg(p.scalars + 2));  // b2a
-  const int mi = lane >> 3, pix_l = 16 * w4 + 8 * (mi & 1) + (lane & 7);
-  const uint32_t h2_row = h2 + ((pix_l / kOutW + 1) * kH2W + pix_l % kOutW + 1) * 16;
+// Epilogues through stmatrix: the identity T(acc_sc) into its tile, h2 into the haloed image. Lane l addresses row
+// l % 8 of matrix l / 8: pixel 16 w4 + 8 (matrix & 1) + l % 8, channel block (8 wg + 2 jj + (matrix >> 1)).
+template <class T>
+__device__ __forceinline__ void store_identity_and_h2(const float (&acc_sc)[32], const float (&acc)[32], uint32_t idt,
+                                                      uint32_t h2_row, int pix_l, int wg, int mi, float b1b,
+                                                      const FaithfulPost& h2_post) {
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
     const int cb = 8 * wg + 2 * jj + (mi >> 1);
@@ -278,10 +266,11 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
     }
     ptx::stsm_x4(h2_row + cb * kH2Plane, r);
   }
-  ptx::fence_proxy_async();
-  ptx::named_barrier(1, kCompute);  // conv2 reads every channel of h2
+}
 
-  // conv2: chunk 10 + 2 t + kh is tap t's input channels 64 kh .. 64 kh + 63.
+// conv2: chunk 10 + 2 t + kh is tap t's input channels 64 kh .. 64 kh + 63.
+template <bool kBf16>
+__device__ __forceinline__ void conv2(float (&acc)[32], const FilterRing& fr, uint32_t h2) {
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
 #pragma unroll
@@ -289,28 +278,31 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
 #pragma unroll
     for (int kh = 0; kh < 2; ++kh) {
       const int c = kConv2Chunk + 2 * t + kh;
-      wait_chunk(c);
+      fr.wait(c);
       ptx::hold(acc);
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
         wgmma_m64n64k16_ss<kBf16>(
             acc, smem_desc(h2 + (8 * kh + 2 * kk) * kH2Plane + ((t / 3) * kH2W + t % 3) * 16, kH2Plane, kH2Row),
-            b_desc(c % kStages, kk));
+            fr.b_desc(c % kStages, kk));
       ptx::wgmma_commit();
       if (c > kConv2Chunk) {
         ptx::wgmma_wait<1>();
         ptx::hold(acc);
-        release_chunk(c - 1);
+        fr.release(c - 1);
       }
     }
   ptx::wgmma_wait<0>();
   ptx::hold(acc);
-  release_chunk(kChunks - 1);
+  fr.release(kChunks - 1);
+}
 
-  // v = T(acc) into its tile (over the input image, which conv1 no longer reads); the squeeze's sums of o = T(v * scale
-  // + b2b): this thread's two rows, then the 8 lanes of a channel (g), then (below) the 4 warps of the warpgroup.
-  const uint32_t vt = img;
+// v = T(acc) into its tile; the squeeze's sums of o = T(v * scale + b2b): this thread's two rows, then the 8 lanes of
+// a channel (g), into part[warp] (the 4 warps of the warpgroup are summed by the readers).
+template <class T>
+__device__ __forceinline__ void store_v_and_squeeze(const float (&acc)[32], uint32_t vt, float* part, int pix_l,
+                                                    int wg, int mi, int warp, int g, int q, float scale, float b2b) {
   float cs[16];
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
@@ -336,14 +328,15 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
 #pragma unroll
     for (int k = 0; k < 16; ++k) part[warp * 64 + 8 * (k >> 1) + 2 * q + (k & 1)] = cs[k];
   }
-  ptx::named_barrier(1, kCompute);  // the sums and v are in
+}
 
-  // fc1 + ReLU: warp k computes hidden unit k (lane's channels lane + 32 u, then over the lanes), into shared memory;
-  // then one gate per channel (fc2 + sigmoid) by the first 128 threads. Short dependency chains between two barriers:
-  // each warp computing all 8 units (40 dependent shuffles) and each thread 8 gates made this tail ~30% of the
-  // kernel's stall samples (ncu).
-  float* const hid = part + 8 * 64;  // the sums are read before the barrier below, gates after it
-  float* const gates = hid + 8;
+// fc1 + ReLU: warp k computes hidden unit k (lane's channels lane + 32 u, then over the lanes), into shared memory;
+// then one gate per channel (fc2 + sigmoid) by the first 128 threads. Short dependency chains between two barriers:
+// each warp computing all 8 units (40 dependent shuffles) and each thread 8 gates made this tail ~30% of the
+// kernel's stall samples (ncu).
+__device__ __forceinline__ void excite_gates(const float* part, float* hid, float* gates, const float* fc1_w,
+                                             const float* fc1_b, const float* fc2_w, const float* fc2_b, int tid,
+                                             int warp, int lane) {
   static_assert(kHidden == kCompute / 32, "one warp per hidden unit");
   {
     float s = 0.f;
@@ -366,8 +359,13 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
     for (int k = 0; k < kHidden; ++k) s += fc2_w[tid * kHidden + k] * hid[k];
     gates[tid] = 1.f / (1.f + __expf(-s));
   }
-  ptx::named_barrier(1, kCompute);
-  // This thread's 8 channels 8 c16 + e over its 4 pixels.
+}
+
+// The join: this thread's 8 channels 8 c16 + e over its 4 pixels, y = relu(o * gate + identity) and a_next, 16-byte
+// coalesced stores.
+template <class T>
+__device__ __forceinline__ void excite_join_store(const FusedDownBlockArgs& p, const float* gates, uint32_t vt,
+                                                  uint32_t idt, int image, int tid, float scale, float b2b) {
   const int c16 = tid & 15;
   float gate[8];
 #pragma unroll
@@ -385,6 +383,73 @@ __global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(con
     if (y_out) y_out[o] = y8;
     if (a_next) a_next[o] = a8;
   }
+}
+
+#endif  // KFUSE_FUSED_DOWN_BLOCK_DEVICE
+
+template <class T, bool kBf16>
+__global__ void __launch_bounds__(kThreads, 1) fused_down_block_wgmma_kernel(const FusedDownBlockArgs p) {
+#ifdef KFUSE_FUSED_DOWN_BLOCK_DEVICE
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t base = smem_u32(smem);
+  const uint32_t ring = base + kRingOff, img = base + kImgOff, pool = base + kPoolOff, h2 = base + kH2Off,
+                 idt = base + kIdtOff, fc = base + kFcOff, full0 = base + kBarOff, empty0 = full0 + 8 * kStages,
+                 image_ready = empty0 + 8 * kStages;
+  float* const part = reinterpret_cast<float*>(smem + kPartOff);  // [8 warps][64 channels of the warp's group]
+  const float* const fc1_w = reinterpret_cast<const float*>(smem + kFcOff + kFc1W);
+  const float* const fc1_b = reinterpret_cast<const float*>(smem + kFcOff + kFc1B);
+  const float* const fc2_w = reinterpret_cast<const float*>(smem + kFcOff + kFc2W);
+  const float* const fc2_b = reinterpret_cast<const float*>(smem + kFcOff + kFc2B);
+  const int tid = threadIdx.x;
+
+  init_barriers_and_halos(tid, full0, empty0, image_ready, img, h2);
+  __syncthreads();  // also publishes the barriers' initialization; the last CTA-wide barrier
+
+  if (tid >= kCompute) {
+    // The producer: the filters are parameters, never written by the kernels before this one, so the stream starts
+    // before the programmatic wait.
+    if (tid == kCompute) stream_filters(p.filters, ring, full0, empty0, image_ready);
+    return;
+  }
+  load_se_weights(p, fc, tid);
+  pdl_wait_for_predecessor();
+  pdl_allow_successor();
+
+  const int image = blockIdx.x;
+  load_image(p.a, image, img, image_ready, tid);
+  ptx::named_barrier(1, kCompute);
+  pool_image<T>(img, pool, tid);
+  ptx::fence_proxy_async();
+  ptx::named_barrier(1, kCompute);
+
+  const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2, w4 = warp & 3, q = lane & 3, g = lane >> 2;
+  // this warpgroup's 64 output channels in a filter plane
+  const FilterRing fr{ring, full0, empty0, uint32_t(wg * (kFilterPlane / 2)), lane};
+
+  float acc_sc[32], acc[32];
+  shortcut_and_conv1<kBf16>(acc_sc, acc, fr, pool, img);
+  ptx::named_barrier(1, kCompute);  // both warpgroups' shortcut MMAs are done with the pooled image: idt goes over it
+
+  const float b1b = __ldg(p.scalars + 1), scale = __ldg(p.scalars + 3), b2b = __ldg(p.scalars + 4);
+  const FaithfulPost h2_post = faithful_post<T>(__ldg(p.scalars + 2));  // b2a
+  const int mi = lane >> 3, pix_l = 16 * w4 + 8 * (mi & 1) + (lane & 7);
+  const uint32_t h2_row = h2 + ((pix_l / kOutW + 1) * kH2W + pix_l % kOutW + 1) * 16;
+  store_identity_and_h2<T>(acc_sc, acc, idt, h2_row, pix_l, wg, mi, b1b, h2_post);
+  ptx::fence_proxy_async();
+  ptx::named_barrier(1, kCompute);  // conv2 reads every channel of h2
+
+  conv2<kBf16>(acc, fr, h2);
+
+  // v goes over the input image, which conv1 no longer reads.
+  const uint32_t vt = img;
+  store_v_and_squeeze<T>(acc, vt, part, pix_l, wg, mi, warp, g, q, scale, b2b);
+  ptx::named_barrier(1, kCompute);  // the sums and v are in
+
+  float* const hid = part + 8 * 64;  // the sums are read before the barrier below, gates after it
+  float* const gates = hid + 8;
+  excite_gates(part, hid, gates, fc1_w, fc1_b, fc2_w, fc2_b, tid, warp, lane);
+  ptx::named_barrier(1, kCompute);
+  excite_join_store<T>(p, gates, vt, idt, image, tid, scale, b2b);
 #else
   // Compiled for another architecture: never launched (fused_down_block_smem_bytes requires compute capability 9.0).
   __trap();

@@ -222,6 +222,178 @@ __device__ __forceinline__ void load_dy8(const MainParams& a, const unsigned cha
   }
 }
 
+// Pass 1's registers for one pixel: dy, o, y and dz (declared by the kernel, as Pass2Regs below).
+struct Pass1Regs {
+  float dyf[8], of[8], yf[8], dzf[8];
+};
+
+// Pass 1 of this thread's (image g, channel group c0, row slice s): dz = dy * (y > threshold) -> global (and the
+// stage when cached); column sums of o (so) and dz * o (sd); scalar sums of dy and dz. Nothing without an image
+// (has_img is tested here: tested by the caller, nvcc orders s_dy and s_dz's registers differently).
+template <class T>
+__device__ __forceinline__ void pass1(const MainParams& a, const unsigned char* smem, T* stage, T* dzg, int p, int hw,
+                                      int slr, int img, int g, int s, int c0, Pass1Regs& v, float (&so)[8],
+                                      float (&sd)[8], float& s_dy, float& s_dz, bool has_img) {
+  if (!has_img) return;
+  const T* o = static_cast<const T*>(a.o);
+  const T* y = static_cast<const T*>(a.y);
+  const bool raw = a.o_scale != nullptr;
+  const float o_sc = raw ? __ldg(a.o_scale) : 1.f, o_sh = raw ? __ldg(a.o_shift) : 0.f;
+  const float y_thr = a.y_offset ? to_f(to_t<T>(__ldg(a.y_offset))) : 0.f;
+#pragma unroll 2
+  for (int i = s; i < hw; i += slr) {
+    const int64_t pix = int64_t(img) * hw + i;
+    uint4 ov = __ldg(reinterpret_cast<const uint4*>(o + pix * p + c0));
+    if (raw) ov = affine8<T>(ov, o_sc, o_sh);
+    const uint4 yv = __ldg(reinterpret_cast<const uint4*>(y + pix * p + c0));
+    load_dy8<T>(a, smem, pix, img, i, g * hw + i, c0, v.dyf);
+    unpack8<T>(ov, v.of);
+    unpack8<T>(yv, v.yf);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      v.dzf[j] = v.yf[j] > y_thr ? v.dyf[j] : 0.f;
+      so[j] += v.of[j];
+      sd[j] = fmaf(v.dzf[j], v.of[j], sd[j]);
+      s_dy += v.dyf[j];
+      s_dz += v.dzf[j];
+    }
+    const uint4 dzv = pack8<T>(v.dzf);
+    *reinterpret_cast<uint4*>(dzg + pix * a.dz_pitch + c0) = dzv;
+    if (a.cached) *reinterpret_cast<uint4*>(stage + (size_t(g) * hw + i) * p + c0) = dzv;
+  }
+}
+
+// Column partials -> [slice][rho_p][G]; slice 0 accumulates the total.
+template <int G>
+__device__ __forceinline__ void store_column_partials(const MainParams& a, float* po, float* pd, float (&so)[8],
+                                                      float (&sd)[8], bool active, int s, int g, int cv, int c0,
+                                                      int c8, int rho_p, int t) {
+  const int lane = t & 31, warp = t >> 5;
+  bool writer = active;
+  int slice = s;
+  if (a.prereduce) {  // all threads active; lanes l, l + G*C8, ... hold the same (image, column group)
+    for (int off = G * c8; off < 32; off <<= 1) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        so[j] += __shfl_xor_sync(0xffffffffu, so[j], off);
+        sd[j] += __shfl_xor_sync(0xffffffffu, sd[j], off);
+      }
+    }
+    writer = lane < G * c8;
+    slice = warp;
+  }
+  if (writer) {
+    float* pos = po + size_t(slice) * rho_p * G;
+    float* pds = pd + size_t(slice) * rho_p * G;
+    if constexpr (G == 1) {
+      reinterpret_cast<float4*>(pos + c0)[0] = make_float4(so[0], so[1], so[2], so[3]);
+      reinterpret_cast<float4*>(pos + c0)[1] = make_float4(so[4], so[5], so[6], so[7]);
+      reinterpret_cast<float4*>(pds + c0)[0] = make_float4(sd[0], sd[1], sd[2], sd[3]);
+      reinterpret_cast<float4*>(pds + c0)[1] = make_float4(sd[4], sd[5], sd[6], sd[7]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        pos[(9 * cv + j) * G + g] = so[j];  // row rho(c0 + j) = c0 + j + cv
+        pds[(9 * cv + j) * G + g] = sd[j];
+      }
+    }
+  }
+}
+
+// The slices' column partials summed in slice order: m = sum o / hw into po (and ws_m), dg = sum dz * o into pd.
+template <int G>
+__device__ __forceinline__ void column_totals(const MainParams& a, float* po, float* pd, int p, int hw, int img0,
+                                              int ge, int rho_p) {
+  for (int o = threadIdx.x; o < p * G; o += kThreads) {
+    const int c = o / G, gg = o - c * G;
+    const int idx = xrow<G, true>(c) + gg;
+    float vm = 0.f, vd = 0.f;
+    for (int k = 0; k < a.sl_col; ++k) {
+      vm += po[size_t(k) * rho_p * G + idx];
+      vd += pd[size_t(k) * rho_p * G + idx];
+    }
+    vm = vm / float(hw);
+    po[idx] = vm;  // m
+    pd[idx] = vd;  // dg
+    if (gg < ge) a.ws_m[int64_t(img0 + gg) * p + c] = vm;
+  }
+}
+
+// The FC chain, all G images at once: r, the gate and d_z2, d_z1, and dm / hw (into pd).
+template <int G>
+__device__ __forceinline__ void fc_chain(const MainParams& a, float* po, float* pd, float* part, float* r1, float* d1,
+                                         int p, int hw, int hid, int img0, int ge) {
+  contract<G, true>(a.w1t, p, hid, po, part, [&](int j, int gg, float v) {  // z1 = W1 m + b1, r = relu(z1)
+    const float r = relu_keep_nan(v + __ldg(a.b1 + j));
+    r1[j * G + gg] = r;
+    if (gg < ge) a.ws_r[int64_t(img0 + gg) * hid + j] = r;
+  });
+  __syncthreads();
+  contract<G, false>(a.w2t, hid, p, r1, part, [&](int c, int gg, float v) {  // z2 = W2 r + b2, gate, d_z2
+    const float gate = 1.f / (1.f + __expf(-(v + __ldg(a.b2 + c))));
+    const int idx = xrow<G, true>(c) + gg;
+    const float d2 = pd[idx] * gate * (1.f - gate);
+    po[idx] = gate;
+    pd[idx] = d2;
+    if (gg < ge) a.ws_dz2[int64_t(img0 + gg) * p + c] = d2;
+  });
+  __syncthreads();
+  contract<G, true>(a.w2, p, hid, pd, part, [&](int j, int gg, float v) {  // dr = W2^T d_z2, d_z1 = dr (r > 0)
+    const float d = r1[j * G + gg] > 0.f ? v : 0.f;
+    d1[j * G + gg] = d;
+    if (gg < ge) a.ws_dz1[int64_t(img0 + gg) * hid + j] = d;
+  });
+  __syncthreads();
+  contract<G, false>(a.w1, hid, p, d1, part, [&](int c, int gg, float v) {  // dm = W1^T d_z1, stored as dm / hw
+    pd[xrow<G, true>(c) + gg] = v / float(hw);
+  });
+}
+
+// Pass 2's registers: this thread's gates and dm / hw, and a pixel's dz and d_o. The kernel declares them: nvcc
+// places a function's own arrays ahead of the kernel's, and its register assignment (hence the SASS) then differs.
+struct Pass2Regs {
+  float gt[8], dmh[8];
+  float dzf[8], r[8];
+};
+
+// Pass 2 of this thread's (image g, channel group c0, row slice s): d_o = dz * gate + dm / hw; returns s_do plus
+// the sum of its d_o.
+template <class T, int G>
+__device__ __forceinline__ float pass2(const MainParams& a, const float* po, const float* pd, const T* stage,
+                                       const T* dzg, int p, int hw, int slr, int img0, int g, int s, int cv, int c0,
+                                       Pass2Regs& v, float s_do) {
+  if constexpr (G == 1) {
+    const float4 g0 = reinterpret_cast<const float4*>(po + c0)[0], g1 = reinterpret_cast<const float4*>(po + c0)[1];
+    const float4 m0 = reinterpret_cast<const float4*>(pd + c0)[0], m1 = reinterpret_cast<const float4*>(pd + c0)[1];
+    v.gt[0] = g0.x, v.gt[1] = g0.y, v.gt[2] = g0.z, v.gt[3] = g0.w;
+    v.gt[4] = g1.x, v.gt[5] = g1.y, v.gt[6] = g1.z, v.gt[7] = g1.w;
+    v.dmh[0] = m0.x, v.dmh[1] = m0.y, v.dmh[2] = m0.z, v.dmh[3] = m0.w;
+    v.dmh[4] = m1.x, v.dmh[5] = m1.y, v.dmh[6] = m1.z, v.dmh[7] = m1.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      v.gt[j] = po[(9 * cv + j) * G + g];
+      v.dmh[j] = pd[(9 * cv + j) * G + g];
+    }
+  }
+  const int img = img0 + g;
+  T* d_o = static_cast<T*>(a.d_o);
+#pragma unroll 2
+  for (int i = s; i < hw; i += slr) {
+    const int64_t pix = int64_t(img) * hw + i;
+    const uint4 dzv = a.cached ? *reinterpret_cast<const uint4*>(stage + (size_t(g) * hw + i) * p + c0)
+                               : *reinterpret_cast<const uint4*>(dzg + pix * a.dz_pitch + c0);
+    unpack8<T>(dzv, v.dzf);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      v.r[j] = fmaf(v.dzf[j], v.gt[j], v.dmh[j]);
+      s_do += v.r[j];
+    }
+    *reinterpret_cast<uint4*>(d_o + pix * p + c0) = pack8<T>(v.r);
+  }
+  return s_do;
+}
+
 // G images per CTA. Thread t works on image g = t % G (images interleaved across lanes) and, within it, u = t / G:
 // 8-channel group cv = u % C8 and row slice s = u / C8 (rows s, s + sl_rows, ...), for u < sl_rows * C8.
 template <class T, int G>
@@ -260,36 +432,8 @@ __global__ void __launch_bounds__(kThreads, 2) se_backward_main_kernel(const Mai
 #pragma unroll
   for (int j = 0; j < 8; ++j) so[j] = 0.f, sd[j] = 0.f;
   float s_dy = 0.f, s_dz = 0.f, s_do = 0.f;
-  if (has_img) {
-    const int img = img0 + g;
-    const T* o = static_cast<const T*>(a.o);
-    const T* y = static_cast<const T*>(a.y);
-    const bool raw = a.o_scale != nullptr;
-    const float o_sc = raw ? __ldg(a.o_scale) : 1.f, o_sh = raw ? __ldg(a.o_shift) : 0.f;
-    const float y_thr = a.y_offset ? to_f(to_t<T>(__ldg(a.y_offset))) : 0.f;
-#pragma unroll 2
-    for (int i = s; i < hw; i += slr) {
-      const int64_t pix = int64_t(img) * hw + i;
-      uint4 ov = __ldg(reinterpret_cast<const uint4*>(o + pix * p + c0));
-      if (raw) ov = affine8<T>(ov, o_sc, o_sh);
-      const uint4 yv = __ldg(reinterpret_cast<const uint4*>(y + pix * p + c0));
-      float dyf[8], of[8], yf[8], dzf[8];
-      load_dy8<T>(a, smem, pix, img, i, g * hw + i, c0, dyf);
-      unpack8<T>(ov, of);
-      unpack8<T>(yv, yf);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        dzf[j] = yf[j] > y_thr ? dyf[j] : 0.f;
-        so[j] += of[j];
-        sd[j] = fmaf(dzf[j], of[j], sd[j]);
-        s_dy += dyf[j];
-        s_dz += dzf[j];
-      }
-      const uint4 dzv = pack8<T>(dzf);
-      *reinterpret_cast<uint4*>(dzg + pix * a.dz_pitch + c0) = dzv;
-      if (a.cached) *reinterpret_cast<uint4*>(stage + (size_t(g) * hw + i) * p + c0) = dzv;
-    }
-  }
+  Pass1Regs v;
+  pass1<T>(a, smem, stage, dzg, p, hw, slr, img0 + g, g, s, c0, v, so, sd, s_dy, s_dz, has_img);
   if (staged) __syncthreads();  // the dy stage shares its space with the partials (and red)
 
   // Scalar sums of dy and dz: butterfly in the warp, the warps' totals to red (summed in order at the end).
@@ -303,113 +447,17 @@ __global__ void __launch_bounds__(kThreads, 2) se_backward_main_kernel(const Mai
     if (lane == 0) red[warp * 3 + 0] = s_dy, red[warp * 3 + 1] = s_dz;
   }
 
-  // Column partials -> [slice][rho_p][G]; slice 0 accumulates the total.
-  {
-    bool writer = active;
-    int slice = s;
-    if (a.prereduce) {  // all threads active; lanes l, l + G*C8, ... hold the same (image, column group)
-      for (int off = G * c8; off < 32; off <<= 1) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          so[j] += __shfl_xor_sync(0xffffffffu, so[j], off);
-          sd[j] += __shfl_xor_sync(0xffffffffu, sd[j], off);
-        }
-      }
-      writer = lane < G * c8;
-      slice = warp;
-    }
-    if (writer) {
-      float* pos = po + size_t(slice) * rho_p * G;
-      float* pds = pd + size_t(slice) * rho_p * G;
-      if constexpr (G == 1) {
-        reinterpret_cast<float4*>(pos + c0)[0] = make_float4(so[0], so[1], so[2], so[3]);
-        reinterpret_cast<float4*>(pos + c0)[1] = make_float4(so[4], so[5], so[6], so[7]);
-        reinterpret_cast<float4*>(pds + c0)[0] = make_float4(sd[0], sd[1], sd[2], sd[3]);
-        reinterpret_cast<float4*>(pds + c0)[1] = make_float4(sd[4], sd[5], sd[6], sd[7]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          pos[(9 * cv + j) * G + g] = so[j];  // row rho(c0 + j) = c0 + j + cv
-          pds[(9 * cv + j) * G + g] = sd[j];
-        }
-      }
-    }
-  }
+  store_column_partials<G>(a, po, pd, so, sd, active, s, g, cv, c0, c8, rho_p, t);
   __syncthreads();
-  for (int o = t; o < p * G; o += kThreads) {
-    const int c = o / G, gg = o - c * G;
-    const int idx = xrow<G, true>(c) + gg;
-    float vm = 0.f, vd = 0.f;
-    for (int k = 0; k < a.sl_col; ++k) {
-      vm += po[size_t(k) * rho_p * G + idx];
-      vd += pd[size_t(k) * rho_p * G + idx];
-    }
-    vm = vm / float(hw);
-    po[idx] = vm;  // m
-    pd[idx] = vd;  // dg
-    if (gg < ge) a.ws_m[int64_t(img0 + gg) * p + c] = vm;
-  }
+  column_totals<G>(a, po, pd, p, hw, img0, ge, rho_p);
   __syncthreads();
 
-  // The FC chain, all G images at once.
-  contract<G, true>(a.w1t, p, hid, po, part, [&](int j, int gg, float v) {  // z1 = W1 m + b1, r = relu(z1)
-    const float r = relu_keep_nan(v + __ldg(a.b1 + j));
-    r1[j * G + gg] = r;
-    if (gg < ge) a.ws_r[int64_t(img0 + gg) * hid + j] = r;
-  });
-  __syncthreads();
-  contract<G, false>(a.w2t, hid, p, r1, part, [&](int c, int gg, float v) {  // z2 = W2 r + b2, gate, d_z2
-    const float gate = 1.f / (1.f + __expf(-(v + __ldg(a.b2 + c))));
-    const int idx = xrow<G, true>(c) + gg;
-    const float d2 = pd[idx] * gate * (1.f - gate);
-    po[idx] = gate;
-    pd[idx] = d2;
-    if (gg < ge) a.ws_dz2[int64_t(img0 + gg) * p + c] = d2;
-  });
-  __syncthreads();
-  contract<G, true>(a.w2, p, hid, pd, part, [&](int j, int gg, float v) {  // dr = W2^T d_z2, d_z1 = dr (r > 0)
-    const float d = r1[j * G + gg] > 0.f ? v : 0.f;
-    d1[j * G + gg] = d;
-    if (gg < ge) a.ws_dz1[int64_t(img0 + gg) * hid + j] = d;
-  });
-  __syncthreads();
-  contract<G, false>(a.w1, hid, p, d1, part, [&](int c, int gg, float v) {  // dm = W1^T d_z1, stored as dm / hw
-    pd[xrow<G, true>(c) + gg] = v / float(hw);
-  });
+  fc_chain<G>(a, po, pd, part, r1, d1, p, hw, hid, img0, ge);
   __syncthreads();
 
-  // Pass 2: d_o = dz * gate + dm / hw.
   if (has_img) {
-    float gt[8], dmh[8];
-    if constexpr (G == 1) {
-      const float4 g0 = reinterpret_cast<const float4*>(po + c0)[0], g1 = reinterpret_cast<const float4*>(po + c0)[1];
-      const float4 m0 = reinterpret_cast<const float4*>(pd + c0)[0], m1 = reinterpret_cast<const float4*>(pd + c0)[1];
-      gt[0] = g0.x, gt[1] = g0.y, gt[2] = g0.z, gt[3] = g0.w, gt[4] = g1.x, gt[5] = g1.y, gt[6] = g1.z, gt[7] = g1.w;
-      dmh[0] = m0.x, dmh[1] = m0.y, dmh[2] = m0.z, dmh[3] = m0.w;
-      dmh[4] = m1.x, dmh[5] = m1.y, dmh[6] = m1.z, dmh[7] = m1.w;
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        gt[j] = po[(9 * cv + j) * G + g];
-        dmh[j] = pd[(9 * cv + j) * G + g];
-      }
-    }
-    const int img = img0 + g;
-    T* d_o = static_cast<T*>(a.d_o);
-#pragma unroll 2
-    for (int i = s; i < hw; i += slr) {
-      const int64_t pix = int64_t(img) * hw + i;
-      const uint4 dzv = a.cached ? *reinterpret_cast<const uint4*>(stage + (size_t(g) * hw + i) * p + c0)
-                                 : *reinterpret_cast<const uint4*>(dzg + pix * a.dz_pitch + c0);
-      float dzf[8], r[8];
-      unpack8<T>(dzv, dzf);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        r[j] = fmaf(dzf[j], gt[j], dmh[j]);
-        s_do += r[j];
-      }
-      *reinterpret_cast<uint4*>(d_o + pix * p + c0) = pack8<T>(r);
-    }
+    Pass2Regs v;
+    s_do = pass2<T, G>(a, po, pd, stage, dzg, p, hw, slr, img0, g, s, cv, c0, v, s_do);
   }
 
   // Per-CTA scalar partials, fixed order: butterfly in the warp, then the warps in order.

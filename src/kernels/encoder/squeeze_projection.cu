@@ -63,6 +63,141 @@ union SharedMem {
   float4 partial[kWarps][kRows][kTileCols / 4];  // 16 KB: the warps' partial products, after the last chunk
 };
 
+// This lane's loader role: item i is row k = chunk start + i * 16 + lane / 2, columns col0 + (lane % 2) * 8 .. + 8.
+template <class T>
+struct Loader {
+  const T* wd;
+  int K, kd, po_count, hidden, ld_k, ld_col;
+  bool ld_col_ok;  // kd % 8 == 0: a half tile is all in or all out
+  __device__ __forceinline__ const uint4* wd_at(int po, int k) const {
+    return reinterpret_cast<const uint4*>(wd + (int64_t(po) * K + k) * kd + ld_col);
+  }
+};
+
+// Issues chunk c's global loads (pass j0) into registers.
+template <class T>
+__device__ __forceinline__ void load_chunk(const SqueezeProjectionArgs& a, const Loader<T>& ld,
+                                           uint4 (&wd_v)[kItems][kPoBatch], float4 (&w1_v)[kW1Vecs], int c, int j0,
+                                           int lane) {
+  const int k0 = c * kChunk;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int k = k0 + i * 16 + ld.ld_k;
+    const bool ok = ld.ld_col_ok && k < ld.K;
+#pragma unroll
+    for (int q = 0; q < kPoBatch; ++q)
+      wd_v[i][q] = ok && q < ld.po_count ? __ldg(ld.wd_at(q, k)) : make_uint4(0u, 0u, 0u, 0u);
+  }
+#pragma unroll
+  for (int q = 0; q < kW1Vecs; ++q) {
+    const int idx = q * 32 + lane, r = idx / (kChunk / 4), seg = idx % (kChunk / 4);
+    const int j = min(j0 + r, ld.hidden - 1);  // rows past hidden: a copy of the last (read, never stored)
+    const int k = k0 + seg * 4;                // K % 4 == 0: a segment is all in or all out
+    w1_v[q] = k < ld.K ? __ldg(reinterpret_cast<const float4*>(a.w1 + int64_t(j) * ld.K + k))
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// Sums the loaded Wd over po (in po order; row blocks past kPoBatch loaded here) into Wbar, and stores w1's block.
+template <class T>
+__device__ __forceinline__ void stage_chunk(WarpStage& st, const Loader<T>& ld, const uint4 (&wd_v)[kItems][kPoBatch],
+                                            const float4 (&w1_v)[kW1Vecs], int c, int lane) {
+  const int k0 = c * kChunk;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int k = k0 + i * 16 + ld.ld_k;
+    const bool ok = ld.ld_col_ok && k < ld.K;
+    float s[8] = {};
+#pragma unroll
+    for (int q = 0; q < kPoBatch; ++q) {
+      if (q < ld.po_count) {
+        float f[8];
+        unpack8<T>(wd_v[i][q], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[e] += f[e];
+      }
+    }
+    for (int p0 = kPoBatch; p0 < ld.po_count; p0 += kPoBatch) {
+      uint4 v[kPoBatch];
+#pragma unroll
+      for (int q = 0; q < kPoBatch; ++q)
+        v[q] = ok && p0 + q < ld.po_count ? __ldg(ld.wd_at(p0 + q, k)) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int q = 0; q < kPoBatch; ++q) {
+        if (p0 + q < ld.po_count) {
+          float f[8];
+          unpack8<T>(v[q], f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s[e] += f[e];
+        }
+      }
+    }
+    const int row = i * 16 + ld.ld_k, v4 = (lane & 1) * 2;
+    st.wbar[row][v4] = make_float4(s[0], s[1], s[2], s[3]);
+    st.wbar[row][v4 + 1] = make_float4(s[4], s[5], s[6], s[7]);
+  }
+#pragma unroll
+  for (int q = 0; q < kW1Vecs; ++q) {
+    const int idx = q * 32 + lane, r = idx / (kChunk / 4), seg = idx % (kChunk / 4);
+    st.w1[r][seg ^ (r & 7)] = w1_v[q];
+  }
+}
+
+// w1's row sums, spread over the CTAs' warps (one row per warp at the default sizes).
+__device__ __forceinline__ void w1_row_sums(const SqueezeProjectionArgs& a, int K, int hidden, int warp, int lane) {
+  for (int j = blockIdx.x * kWarps + warp; j < hidden; j += gridDim.x * kWarps) {
+    const float* w1 = a.w1 + int64_t(j) * K;
+    float s = 0.f;
+    for (int k = lane; k < K; k += 32) s += __ldg(w1 + k);
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) a.rowsum[j] = s;
+  }
+}
+
+// acc += the staged chunk's w1 block (rows g + 8 r) times its Wbar (columns 4 cg .. 4 cg + 3) over its len k.
+__device__ __forceinline__ void chunk_product(const WarpStage& st, float (&acc)[kRowsPerLane][4], int len, int g,
+                                              int cg) {
+#pragma unroll
+  for (int s4 = 0; s4 < kChunk / 4; ++s4) {
+    if (s4 * 4 < len) {
+      float4 w[kRowsPerLane], b[4];
+#pragma unroll
+      for (int r = 0; r < kRowsPerLane; ++r) w[r] = st.w1[g + 8 * r][s4 ^ g];  // (g + 8 r) % 8 == g
+#pragma unroll
+      for (int q = 0; q < 4; ++q) b[q] = st.wbar[s4 * 4 + q][cg];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerLane; ++r) {
+          const float wq = q == 0 ? w[r].x : q == 1 ? w[r].y : q == 2 ? w[r].z : w[r].w;
+          acc[r][0] = fmaf(wq, b[q].x, acc[r][0]);
+          acc[r][1] = fmaf(wq, b[q].y, acc[r][1]);
+          acc[r][2] = fmaf(wq, b[q].z, acc[r][2]);
+          acc[r][3] = fmaf(wq, b[q].w, acc[r][3]);
+        }
+      }
+    }
+  }
+}
+
+// The pass's projection rows: the warps' partial products summed (in warp order), / po_count, rounded to T.
+// Thread t: row t / 8 of the pass, columns 2 (t % 8), 2 (t % 8) + 1 of the tile.
+template <class T>
+__device__ __forceinline__ void store_pass(const SqueezeProjectionArgs& a, const SharedMem& sm, int j0, int col0,
+                                           int kd, int po_count, int hidden) {
+  const int row = threadIdx.x >> 3, cp = threadIdx.x & 7;
+  const float* p0 = reinterpret_cast<const float*>(&sm.partial[0][row][0]) + 2 * cp;
+  constexpr int kWarpStride = kRows * kTileCols;  // floats from one warp's partial to the next
+  float sx = p0[0], sy = p0[1];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) sx += p0[w * kWarpStride], sy += p0[w * kWarpStride + 1];
+  const int j = j0 + row, col = col0 + 2 * cp;
+  if (j < hidden && col < kd) {
+    const float n = float(po_count);
+    *reinterpret_cast<uint32_t*>(static_cast<T*>(a.proj) + int64_t(j) * kd + col) = pack2<T>(sx / n, sy / n);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1) squeeze_projection_kernel(const SqueezeProjectionArgs a) {
   if (a.run_flag != nullptr && *a.run_flag == 0u) return;
@@ -75,120 +210,23 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_projection_kernel(const S
   const T* wd = static_cast<const T*>(a.wd);
   WarpStage& st = sm.stage[warp];
 
-  // Loader role: item i is row k = chunk start + i * 16 + lane / 2, columns col0 + (lane % 2) * 8 .. + 8.
   const int ld_k = lane >> 1, ld_col = col0 + (lane & 1) * 8;
-  const bool ld_col_ok = ld_col < kd;  // kd % 8 == 0: a half tile is all in or all out
+  const Loader<T> ld{wd, K, kd, po_count, hidden, ld_k, ld_col, ld_col < kd};
   // Product role: rows g + 8 r (r < 4) of the pass, columns 4 cg .. 4 cg + 3 of the tile.
   const int g = lane >> 2, cg = lane & 3;
 
   uint4 wd_v[kItems][kPoBatch];  // the next chunk's Wd, po 0 .. kPoBatch - 1
   float4 w1_v[kW1Vecs];          // the next chunk's w1 block
 
-  auto wd_at = [&](int po, int k) {
-    return reinterpret_cast<const uint4*>(wd + (int64_t(po) * K + k) * kd + ld_col);
-  };
-  // Issues chunk c's global loads (pass j0) into registers.
-  auto load = [&](int c, int j0) {
-    const int k0 = c * kChunk;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int k = k0 + i * 16 + ld_k;
-      const bool ok = ld_col_ok && k < K;
-#pragma unroll
-      for (int q = 0; q < kPoBatch; ++q)
-        wd_v[i][q] = ok && q < po_count ? __ldg(wd_at(q, k)) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int q = 0; q < kW1Vecs; ++q) {
-      const int idx = q * 32 + lane, r = idx / (kChunk / 4), seg = idx % (kChunk / 4);
-      const int j = min(j0 + r, hidden - 1);  // rows past hidden: a copy of the last (read, never stored)
-      const int k = k0 + seg * 4;             // K % 4 == 0: a segment is all in or all out
-      w1_v[q] = k < K ? __ldg(reinterpret_cast<const float4*>(a.w1 + int64_t(j) * K + k))
-                      : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  };
-  // Sums the loaded Wd over po (in po order; row blocks past kPoBatch loaded here) into Wbar, and stores w1's block.
-  auto stage = [&](int c) {
-    const int k0 = c * kChunk;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int k = k0 + i * 16 + ld_k;
-      const bool ok = ld_col_ok && k < K;
-      float s[8] = {};
-#pragma unroll
-      for (int q = 0; q < kPoBatch; ++q) {
-        if (q < po_count) {
-          float f[8];
-          unpack8<T>(wd_v[i][q], f);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s[e] += f[e];
-        }
-      }
-      for (int p0 = kPoBatch; p0 < po_count; p0 += kPoBatch) {
-        uint4 v[kPoBatch];
-#pragma unroll
-        for (int q = 0; q < kPoBatch; ++q)
-          v[q] = ok && p0 + q < po_count ? __ldg(wd_at(p0 + q, k)) : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-        for (int q = 0; q < kPoBatch; ++q) {
-          if (p0 + q < po_count) {
-            float f[8];
-            unpack8<T>(v[q], f);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) s[e] += f[e];
-          }
-        }
-      }
-      const int row = i * 16 + ld_k, v4 = (lane & 1) * 2;
-      st.wbar[row][v4] = make_float4(s[0], s[1], s[2], s[3]);
-      st.wbar[row][v4 + 1] = make_float4(s[4], s[5], s[6], s[7]);
-    }
-#pragma unroll
-    for (int q = 0; q < kW1Vecs; ++q) {
-      const int idx = q * 32 + lane, r = idx / (kChunk / 4), seg = idx % (kChunk / 4);
-      st.w1[r][seg ^ (r & 7)] = w1_v[q];
-    }
-  };
-
   for (int j0 = 0; j0 < hidden; j0 += kRows) {
     float acc[kRowsPerLane][4] = {};
-    if (warp < nchunks) load(warp, j0);
-    if (j0 == 0) {
-      // w1's row sums, spread over the CTAs' warps (one row per warp at the default sizes), while the loads fly.
-      for (int j = blockIdx.x * kWarps + warp; j < hidden; j += gridDim.x * kWarps) {
-        const float* w1 = a.w1 + int64_t(j) * K;
-        float s = 0.f;
-        for (int k = lane; k < K; k += 32) s += __ldg(w1 + k);
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        if (lane == 0) a.rowsum[j] = s;
-      }
-    }
+    if (warp < nchunks) load_chunk(a, ld, wd_v, w1_v, warp, j0, lane);
+    if (j0 == 0) w1_row_sums(a, K, hidden, warp, lane);  // while the loads fly
     for (int c = warp; c < nchunks; c += kWarps) {
-      stage(c);
+      stage_chunk(st, ld, wd_v, w1_v, c, lane);
       __syncwarp();
-      if (c + kWarps < nchunks) load(c + kWarps, j0);
-      const int len = min(kChunk, K - c * kChunk);  // a multiple of 4
-#pragma unroll
-      for (int s4 = 0; s4 < kChunk / 4; ++s4) {
-        if (s4 * 4 < len) {
-          float4 w[kRowsPerLane], b[4];
-#pragma unroll
-          for (int r = 0; r < kRowsPerLane; ++r) w[r] = st.w1[g + 8 * r][s4 ^ g];  // (g + 8 r) % 8 == g
-#pragma unroll
-          for (int q = 0; q < 4; ++q) b[q] = st.wbar[s4 * 4 + q][cg];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-#pragma unroll
-            for (int r = 0; r < kRowsPerLane; ++r) {
-              const float wq = q == 0 ? w[r].x : q == 1 ? w[r].y : q == 2 ? w[r].z : w[r].w;
-              acc[r][0] = fmaf(wq, b[q].x, acc[r][0]);
-              acc[r][1] = fmaf(wq, b[q].y, acc[r][1]);
-              acc[r][2] = fmaf(wq, b[q].z, acc[r][2]);
-              acc[r][3] = fmaf(wq, b[q].w, acc[r][3]);
-            }
-          }
-        }
-      }
+      if (c + kWarps < nchunks) load_chunk(a, ld, wd_v, w1_v, c + kWarps, j0, lane);
+      chunk_product(st, acc, min(kChunk, K - c * kChunk), g, cg);  // len: a multiple of 4
       __syncwarp();  // the stage is rewritten by this warp's next chunk
     }
     __syncthreads();  // every warp's stage read: the partials overwrite them
@@ -196,20 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1) squeeze_projection_kernel(const S
     for (int r = 0; r < kRowsPerLane; ++r)
       sm.partial[warp][g + 8 * r][cg] = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
     __syncthreads();
-    {
-      // Thread t: row t / 8 of the pass, columns 2 (t % 8), 2 (t % 8) + 1 of the tile.
-      const int row = threadIdx.x >> 3, cp = threadIdx.x & 7;
-      const float* p0 = reinterpret_cast<const float*>(&sm.partial[0][row][0]) + 2 * cp;
-      constexpr int kWarpStride = kRows * kTileCols;  // floats from one warp's partial to the next
-      float sx = p0[0], sy = p0[1];
-#pragma unroll
-      for (int w = 1; w < kWarps; ++w) sx += p0[w * kWarpStride], sy += p0[w * kWarpStride + 1];
-      const int j = j0 + row, col = col0 + 2 * cp;
-      if (j < hidden && col < kd) {
-        const float n = float(po_count);
-        *reinterpret_cast<uint32_t*>(static_cast<T*>(a.proj) + int64_t(j) * kd + col) = pack2<T>(sx / n, sy / n);
-      }
-    }
+    store_pass<T>(a, sm, j0, col0, kd, po_count, hidden);
     __syncthreads();  // the partials read before the next pass stages into the same memory
   }
 }

@@ -110,6 +110,237 @@ constexpr int smem_bytes() {
   return kTileP * kGStride * 2 + kTileP * (kNT | 1) * 8 * 2 + 4 * kNT * 32 * 8;
 }
 
+// The per-unit tables in shared memory: x offset, affine, dinput offset.
+struct UnitTables {
+  int64_t* xoff;
+  int64_t* doff;
+  float* sc;
+  float* sh;
+};
+
+// Per-unit tables: x offset, affine (identity when absent: fmaf(x, 1, 0) == x), dinput offset.
+__device__ __forceinline__ void build_unit_tables(const Params& p, const UnitTables& t, int u0, int units, int tid) {
+  for (int ul = tid; ul < units; ul += kThreads) {
+    const int u = u0 + ul, c = u % p.c, dy = u / p.c;
+    t.xoff[ul] = int64_t(c) * p.sc + int64_t(dy) * p.sh;
+    t.sc[ul] = p.in_scale ? __ldg(p.in_scale + c) : 1.f;
+    t.sh[ul] = p.in_shift ? __ldg(p.in_shift + c) : 0.f;
+    t.doff[ul] = (int64_t(c) * p.h + dy) * p.w;
+  }
+}
+
+// The weight as dinput's B fragments: n8 tile nt, column n = g: unit 2nt + (g >> 2), dx = g & 3; k16 step ks:
+// b0 = W[k][16ks + 2q, +1], b1 = W[k][16ks + 2q + 8, +9] (zero past p0). 16-bit loads: any alignment.
+template <int kNT>
+__device__ __forceinline__ void stage_weight_fragments(const Params& p, uint2* wfr, int u0, int nt_count, int tid) {
+  const unsigned short* wt = static_cast<const unsigned short*>(p.weight);
+  const int items = p.ksteps * nt_count * 32;
+  for (int i = tid; i < items; i += kThreads) {
+    const int ln = i & 31, nt = (i >> 5) % nt_count, ks = (i >> 5) / nt_count;
+    const int gg = ln >> 2, qq = ln & 3;
+    const unsigned short* row = wt + int64_t(weight_row(u0 + 2 * nt + (gg >> 2), gg & 3, p.c)) * p.p0;
+    const int ch = 16 * ks + 2 * qq;
+    uint32_t b0 = 0u, b1 = 0u;
+    if (ch < p.p0) b0 = uint32_t(__ldg(row + ch)) | (uint32_t(__ldg(row + ch + 1)) << 16);
+    if (ch + 8 < p.p0) b1 = uint32_t(__ldg(row + ch + 8)) | (uint32_t(__ldg(row + ch + 9)) << 16);
+    wfr[(ks * kNT + nt) * 32 + ln] = make_uint2(b0, b1);
+  }
+}
+
+// A batch of kXBatch units' x values of this thread's pixel (units (tid / 128) + 2 (j0 + j)), zero past the end.
+template <class E, int kXBatch>
+__device__ __forceinline__ void load_x_batch(uint32_t (&raw)[kXBatch][kRawWords<E>], const E* x, bool vec, int64_t sw,
+                                             int64_t poff, const int64_t* t_xoff, bool ok, int j0, int nt_count,
+                                             int tid) {
+#pragma unroll
+  for (int j = 0; j < kXBatch; ++j) {
+    const int ul = (tid >> 7) + 2 * (j0 + j);
+    if (ok && j0 + j < nt_count) {
+      const E* src = x + poff + t_xoff[ul];
+      if (vec)
+        load_raw_vec(src, raw[j]);
+      else
+        load_raw_strided(src, sw, raw[j]);
+    } else {
+#pragma unroll
+      for (int r = 0; r < kRawWords<E>; ++r) raw[j][r] = 0u;
+    }
+  }
+}
+
+// The batch as s = T(fmaf(x, in_scale, in_shift)) into the pixel's row of S (zero past the end).
+template <class T, class E, int kXBatch>
+__device__ __forceinline__ void store_s_batch(const uint32_t (&raw)[kXBatch][kRawWords<E>], uint16_t* srow,
+                                              const float* t_sc, const float* t_sh, bool ok, int j0, int nt_count,
+                                              int tid) {
+#pragma unroll
+  for (int j = 0; j < kXBatch; ++j) {
+    const int ul = (tid >> 7) + 2 * (j0 + j);
+    if (j0 + j < nt_count) {
+      uint2 packed = make_uint2(0u, 0u);
+      if (ok) {
+        const float sc = t_sc[ul], sh = t_sh[ul];
+        float v[4];
+#pragma unroll
+        for (int dx = 0; dx < 4; ++dx) v[dx] = __fmaf_rn(raw_elem<E>(raw[j], dx), sc, sh);
+        packed = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
+      }
+      *reinterpret_cast<uint2*>(srow + 4 * ul) = packed;  // columns 4ul .. 4ul+3: unit ul, dx 0..3
+    }
+  }
+}
+
+// dw[16mt .. +15][tiles nbase + 2i] += G^T S over the tile's 128 pixels (8 k16 steps). (nt_count is taken as kNT
+// where that is known at compile time, as in the kernel, whose SASS is then the same.)
+template <class T, int kNT, int kSStride, int kNW>
+__device__ __forceinline__ void dw_tile_mma(float (&acc)[kNW][4], const uint16_t* gsm, const uint16_t* ssm, int mt,
+                                            int nbase, int nt_count_rt, int lane) {
+  const int nt_count = kNT == kMaxNt ? nt_count_rt : kNT;
+#pragma unroll 2
+  for (int kp = 0; kp < kTileP / 16; ++kp) {
+    uint32_t a[4];  // matrices: (pix 0-7, ch 0-7), (pix 0-7, ch 8-15), (pix 8-15, ch 0-7), (pix 8-15, ch 8-15)
+    ldsm_x4_trans(a, gsm + (16 * kp + (lane & 7) + ((lane >> 4) << 3)) * kGStride + (2 * mt + ((lane >> 3) & 1)) * 8);
+    const int brow = 16 * kp + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+    for (int i = 0; i < kNW; i += 2) {
+      const int nta = nbase + 2 * i, ntb = nta + 2;
+      if (nta >= nt_count) break;  // warp-uniform
+      if (i + 1 < kNW && ntb < nt_count) {
+        uint32_t b[4];  // matrices: (pix 0-7, nta), (pix 8-15, nta), (pix 0-7, ntb), (pix 8-15, ntb)
+        ldsm_x4_trans(b, ssm + brow * kSStride + ((lane >> 4) ? ntb : nta) * 8);
+        mma16816<T>(acc[i], a, b[0], b[1]);
+        mma16816<T>(acc[i + 1], a, b[2], b[3]);
+      } else {
+        uint32_t b[2];
+        ldsm_x2_trans(b, ssm + brow * kSStride + nta * 8);
+        mma16816<T>(acc[i], a, b[0], b[1]);
+      }
+    }
+  }
+}
+
+// This thread's 4 vectors of x0 / da / dz in the tile (zero past the end; vok: in range).
+__device__ __forceinline__ void load_tile_vectors(const uint4* x0v, const uint4* dav, const uint4* dzv, bool has_dz,
+                                                  int m_total, int row_vecs, int m0, int tid, uint4 (&vx0)[4],
+                                                  uint4 (&vda)[4], uint4 (&vdz)[4], bool (&vok)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int v = tid + i * kThreads, pix = v >> 3, ch8 = v & 7, m = m0 + pix;
+    vok[i] = m < m_total && ch8 < row_vecs;
+    const int64_t off = int64_t(m) * row_vecs + ch8;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    vx0[i] = vok[i] ? __ldg(x0v + off) : zero;
+    vda[i] = vok[i] ? __ldg(dav + off) : zero;
+    vdz[i] = vok[i] && has_dz ? __ldg(dzv + off) : zero;
+  }
+}
+
+// A vector's words of x0, da and dz, and a pair's g (declared by the kernel: see the tile loop).
+struct GRegs {
+  uint32_t wx[4], wa[4], wz[4];
+  float gv[2];
+};
+
+// g = T(da + dz) where x0 > 0, else 0 (g = da exactly without dz), of one 16-byte vector into out; sum_da on the side.
+template <class T>
+__device__ __forceinline__ void g_vector(const uint4& vx0, const uint4& vda, const uint4& vdz, bool has_dz, GRegs& r,
+                                         uint32_t (&out)[4], float& sum_da) {
+  r.wx[0] = vx0.x, r.wx[1] = vx0.y, r.wx[2] = vx0.z, r.wx[3] = vx0.w;
+  r.wa[0] = vda.x, r.wa[1] = vda.y, r.wa[2] = vda.z, r.wa[3] = vda.w;
+  r.wz[0] = vdz.x, r.wz[1] = vdz.y, r.wz[2] = vdz.z, r.wz[3] = vdz.w;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float xv = bits_to_f<T>(r.wx[e] >> (16 * hh));
+      const float av = bits_to_f<T>(r.wa[e] >> (16 * hh));
+      sum_da += av;
+      const float sv = has_dz ? av + bits_to_f<T>(r.wz[e] >> (16 * hh)) : av;
+      r.gv[hh] = xv > 0.f ? sv : 0.f;
+    }
+    out[e] = pack2<T>(r.gv[0], r.gv[1]);
+  }
+}
+
+// dinput for pixels 16 * warp .. +15: D = G W^T, scaled by in_scale[c], stored as pairs of dx.
+template <class T, int kNT, int kNB>
+__device__ __forceinline__ void dinput_tile(const Params& p, const UnitTables& t, const uint16_t* gsm,
+                                            const uint2* wfr, float (&d)[kNB][4], int m0, int nt_count, int warp,
+                                            int lane, int g, int q) {
+  int64_t base[2];
+  bool pok[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int m = m0 + 16 * warp + g + 8 * hh;
+    pok[hh] = m < p.m_total;
+    const unsigned mm = pok[hh] ? unsigned(m) : 0u;
+    const unsigned img = mm / unsigned(p.hw), rem = mm - img * unsigned(p.hw);
+    const unsigned oi = rem / unsigned(p.wo), oj = rem - oi * unsigned(p.wo);
+    base[hh] = int64_t(img) * p.c * p.h * p.w + int64_t(4 * oi) * p.w + 4 * oj;
+  }
+  const uint16_t* arow = gsm + (16 * warp + (lane & 7) + (((lane >> 3) & 1) << 3)) * kGStride + (lane >> 4) * 8;
+  for (int nb0 = 0; nb0 < nt_count; nb0 += kNB) {
+#pragma unroll
+    for (int j = 0; j < kNB; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) d[j][r] = 0.f;
+    for (int ks = 0; ks < p.ksteps; ++ks) {
+      uint32_t a[4];  // matrices: (pix 0-7, ch 0-7), (pix 8-15, ch 0-7), (pix 0-7, ch 8-15), (pix 8-15, ch 8-15)
+      ldsm_x4(a, arow + ks * 16);
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) {
+        const int nt = nb0 + j;
+        if (nt < nt_count) {
+          const uint2 b = wfr[(ks * kNT + nt) * 32 + lane];
+          mma16816<T>(d[j], a, b.x, b.y);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+      const int nt = nb0 + j;
+      if (nt >= nt_count) break;
+      const int ul = 2 * nt + (q >> 1);  // accumulator columns 2q, 2q+1: unit ul, dx 2(q&1), +1
+      const int64_t uoff = t.doff[ul] + 2 * (q & 1);
+      const float sc = t.sc[ul];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        if (pok[hh]) store_pair(p.dinput, p.dinput_kind, base[hh] + uoff, d[j][2 * hh] * sc, d[j][2 * hh + 1] * sc);
+    }
+  }
+}
+
+// This CTA's dw partial: accumulator e of tile nt: channel 16mt + g + 8(e/2), column 2q + e%2.
+template <int kNW>
+__device__ __forceinline__ void store_dw_partial(const Params& p, const float (&acc)[kNW][4], int u0, int mt,
+                                                 int nbase, int nt_count, int g, int q) {
+  float* const part = p.ws_dw + int64_t(blockIdx.x) * p.e_total;
+  const int k16 = 4 * p.c * 4;
+#pragma unroll
+  for (int i = 0; i < kNW; ++i) {
+    const int nt = nbase + 2 * i;
+    if (nt >= nt_count) break;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ch = 16 * mt + g + 8 * (e >> 1), col = 2 * q + (e & 1);
+      if (ch < p.p0) part[ch * k16 + weight_row(u0 + 2 * nt + (col >> 2), col & 3, p.c)] = acc[i][e];
+    }
+  }
+}
+
+// This CTA's sum_da partial: a fixed-order block reduction (the warp's lanes, then the warps in order).
+__device__ __forceinline__ void store_sum_da(float* ws_sum, float* red, float sum_da, int tid, int warp, int lane) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum_da += __shfl_xor_sync(0xffffffffu, sum_da, o);
+  if (lane == 0) red[warp] = sum_da;
+  __syncthreads();
+  if (tid == 0) {
+    float s = 0.f;
+    for (int w = 0; w < kWarps; ++w) s += red[w];
+    ws_sum[blockIdx.x] = s;
+  }
+}
+
 // kNT: n8 column tiles per chunk at compile time (2: C = 1, 6: C = 3, kMaxNt: any C, chunks of <= 48 units).
 template <class T, class E, int kNT>
 __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params p) {
@@ -124,6 +355,7 @@ __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params
   __shared__ int64_t t_xoff[kMaxUnits], t_doff[kMaxUnits];
   __shared__ float t_sc[kMaxUnits], t_sh[kMaxUnits];
   __shared__ float red[kWarps];
+  const UnitTables tables{t_xoff, t_doff, t_sc, t_sh};
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, q = lane & 3, g = lane >> 2;
   const int u0 = blockIdx.y * kMaxUnits;
@@ -131,30 +363,8 @@ __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params
   const int nt_count = kNT == kMaxNt ? units / 2 : kNT;
   const bool want_dinput = p.dinput != nullptr;
 
-  // Per-unit tables: x offset, affine (identity when absent: fmaf(x, 1, 0) == x), dinput offset.
-  for (int ul = tid; ul < units; ul += kThreads) {
-    const int u = u0 + ul, c = u % p.c, dy = u / p.c;
-    t_xoff[ul] = int64_t(c) * p.sc + int64_t(dy) * p.sh;
-    t_sc[ul] = p.in_scale ? __ldg(p.in_scale + c) : 1.f;
-    t_sh[ul] = p.in_shift ? __ldg(p.in_shift + c) : 0.f;
-    t_doff[ul] = (int64_t(c) * p.h + dy) * p.w;
-  }
-  // The weight as dinput's B fragments: n8 tile nt, column n = g: unit 2nt + (g >> 2), dx = g & 3; k16 step ks:
-  // b0 = W[k][16ks + 2q, +1], b1 = W[k][16ks + 2q + 8, +9] (zero past p0). 16-bit loads: any alignment.
-  if (want_dinput) {
-    const unsigned short* wt = static_cast<const unsigned short*>(p.weight);
-    const int items = p.ksteps * nt_count * 32;
-    for (int i = tid; i < items; i += kThreads) {
-      const int ln = i & 31, nt = (i >> 5) % nt_count, ks = (i >> 5) / nt_count;
-      const int gg = ln >> 2, qq = ln & 3;
-      const unsigned short* row = wt + int64_t(weight_row(u0 + 2 * nt + (gg >> 2), gg & 3, p.c)) * p.p0;
-      const int ch = 16 * ks + 2 * qq;
-      uint32_t b0 = 0u, b1 = 0u;
-      if (ch < p.p0) b0 = uint32_t(__ldg(row + ch)) | (uint32_t(__ldg(row + ch + 1)) << 16);
-      if (ch + 8 < p.p0) b1 = uint32_t(__ldg(row + ch + 8)) | (uint32_t(__ldg(row + ch + 9)) << 16);
-      wfr[(ks * kNT + nt) * 32 + ln] = make_uint2(b0, b1);
-    }
-  }
+  build_unit_tables(p, tables, u0, units, tid);
+  if (want_dinput) stage_weight_fragments<kNT>(p, wfr, u0, nt_count, tid);
 
   const E* x = static_cast<const E*>(p.x);
   // One vector load per (pixel, unit) when the 4 dx values are contiguous and aligned (as stem.cu decides it).
@@ -174,6 +384,8 @@ __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params
     for (int r = 0; r < 4; ++r) acc[i][r] = 0.f;
   float sum_da = 0.f;
 
+  // The phases' register arrays (the vectors, raw, out and GRegs, d) are declared here, not in the phase functions:
+  // there nvcc orders their registers differently, and the SASS would change.
   for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
     const int m0 = tile * kTileP;
     __syncthreads();  // the previous tile's readers are done (and, first time round, the tables are written)
@@ -181,16 +393,7 @@ __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params
     // (1) x0 / da / dz: 128 pixels x 8 vectors, 4 per thread, consecutive threads on consecutive 16 bytes.
     uint4 vx0[4], vda[4], vdz[4];
     bool vok[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int v = tid + i * kThreads, pix = v >> 3, ch8 = v & 7, m = m0 + pix;
-      vok[i] = m < p.m_total && ch8 < row_vecs;
-      const int64_t off = int64_t(m) * row_vecs + ch8;
-      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-      vx0[i] = vok[i] ? __ldg(x0v + off) : zero;
-      vda[i] = vok[i] ? __ldg(dav + off) : zero;
-      vdz[i] = vok[i] && has_dz ? __ldg(dzv + off) : zero;
-    }
+    load_tile_vectors(x0v, dav, dzv, has_dz, p.m_total, row_vecs, m0, tid, vx0, vda, vdz, vok);
 
     // (1) s: thread tid handles pixel tid % 128 and units (tid / 128) + 2j, written as T to S (zero past the end).
     {
@@ -205,35 +408,8 @@ __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params
       uint16_t* const srow = ssm + pix * kSStride;
       for (int j0 = 0; j0 < nt_count; j0 += kXBatch) {
         uint32_t raw[kXBatch][kRawWords<E>];
-#pragma unroll
-        for (int j = 0; j < kXBatch; ++j) {
-          const int ul = (tid >> 7) + 2 * (j0 + j);
-          if (ok && j0 + j < nt_count) {
-            const E* src = x + poff + t_xoff[ul];
-            if (vec)
-              load_raw_vec(src, raw[j]);
-            else
-              load_raw_strided(src, p.sw, raw[j]);
-          } else {
-#pragma unroll
-            for (int r = 0; r < kRawWords<E>; ++r) raw[j][r] = 0u;
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kXBatch; ++j) {
-          const int ul = (tid >> 7) + 2 * (j0 + j);
-          if (j0 + j < nt_count) {
-            uint2 packed = make_uint2(0u, 0u);
-            if (ok) {
-              const float sc = t_sc[ul], sh = t_sh[ul];
-              float v[4];
-#pragma unroll
-              for (int dx = 0; dx < 4; ++dx) v[dx] = __fmaf_rn(raw_elem<E>(raw[j], dx), sc, sh);
-              packed = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
-            }
-            *reinterpret_cast<uint2*>(srow + 4 * ul) = packed;  // columns 4ul .. 4ul+3: unit ul, dx 0..3
-          }
-        }
+        load_x_batch<E, kXBatch>(raw, x, vec, p.sw, poff, t_xoff, ok, j0, nt_count, tid);
+        store_s_batch<T, E, kXBatch>(raw, srow, t_sc, t_sh, ok, j0, nt_count, tid);
       }
     }
 
@@ -242,127 +418,22 @@ __global__ void __launch_bounds__(kThreads, 2) stem_backward_kernel(const Params
     for (int i = 0; i < 4; ++i) {
       const int v = tid + i * kThreads, pix = v >> 3, ch8 = v & 7;
       uint32_t out[4] = {0u, 0u, 0u, 0u};
-      if (vok[i]) {
-        const uint32_t wx[4] = {vx0[i].x, vx0[i].y, vx0[i].z, vx0[i].w};
-        const uint32_t wa[4] = {vda[i].x, vda[i].y, vda[i].z, vda[i].w};
-        const uint32_t wz[4] = {vdz[i].x, vdz[i].y, vdz[i].z, vdz[i].w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float gv[2];
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const float xv = bits_to_f<T>(wx[e] >> (16 * hh));
-            const float av = bits_to_f<T>(wa[e] >> (16 * hh));
-            sum_da += av;
-            const float sv = has_dz ? av + bits_to_f<T>(wz[e] >> (16 * hh)) : av;
-            gv[hh] = xv > 0.f ? sv : 0.f;
-          }
-          out[e] = pack2<T>(gv[0], gv[1]);
-        }
-      }
+      GRegs r;
+      if (vok[i]) g_vector<T>(vx0[i], vda[i], vdz[i], has_dz, r, out, sum_da);
       *reinterpret_cast<uint4*>(gsm + pix * kGStride + ch8 * 8) = make_uint4(out[0], out[1], out[2], out[3]);
     }
     __syncthreads();
 
-    // (2) dw[16mt .. +15][tiles nbase + 2i] += G^T S over the tile's 128 pixels (8 k16 steps).
-    if (16 * mt < p.p0) {
-#pragma unroll 2
-      for (int kp = 0; kp < kTileP / 16; ++kp) {
-        uint32_t a[4];  // matrices: (pix 0-7, ch 0-7), (pix 0-7, ch 8-15), (pix 8-15, ch 0-7), (pix 8-15, ch 8-15)
-        ldsm_x4_trans(a, gsm + (16 * kp + (lane & 7) + ((lane >> 4) << 3)) * kGStride +
-                             (2 * mt + ((lane >> 3) & 1)) * 8);
-        const int brow = 16 * kp + (lane & 7) + (((lane >> 3) & 1) << 3);
-#pragma unroll
-        for (int i = 0; i < kNW; i += 2) {
-          const int nta = nbase + 2 * i, ntb = nta + 2;
-          if (nta >= nt_count) break;  // warp-uniform
-          if (i + 1 < kNW && ntb < nt_count) {
-            uint32_t b[4];  // matrices: (pix 0-7, nta), (pix 8-15, nta), (pix 0-7, ntb), (pix 8-15, ntb)
-            ldsm_x4_trans(b, ssm + brow * kSStride + ((lane >> 4) ? ntb : nta) * 8);
-            mma16816<T>(acc[i], a, b[0], b[1]);
-            mma16816<T>(acc[i + 1], a, b[2], b[3]);
-          } else {
-            uint32_t b[2];
-            ldsm_x2_trans(b, ssm + brow * kSStride + nta * 8);
-            mma16816<T>(acc[i], a, b[0], b[1]);
-          }
-        }
-      }
-    }
+    if (16 * mt < p.p0) dw_tile_mma<T, kNT, kSStride, kNW>(acc, gsm, ssm, mt, nbase, nt_count, lane);  // (2)
 
-    // (3) dinput for pixels 16 * warp .. +15: D = G W^T, scaled by in_scale[c], stored as pairs of dx.
-    if (want_dinput && m0 + 16 * warp < p.m_total) {
-      int64_t base[2];
-      bool pok[2];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int m = m0 + 16 * warp + g + 8 * hh;
-        pok[hh] = m < p.m_total;
-        const unsigned mm = pok[hh] ? unsigned(m) : 0u;
-        const unsigned img = mm / unsigned(p.hw), rem = mm - img * unsigned(p.hw);
-        const unsigned oi = rem / unsigned(p.wo), oj = rem - oi * unsigned(p.wo);
-        base[hh] = int64_t(img) * p.c * p.h * p.w + int64_t(4 * oi) * p.w + 4 * oj;
-      }
-      const uint16_t* arow = gsm + (16 * warp + (lane & 7) + (((lane >> 3) & 1) << 3)) * kGStride + (lane >> 4) * 8;
-      for (int nb0 = 0; nb0 < nt_count; nb0 += kNB) {
-        float d[kNB][4];
-#pragma unroll
-        for (int j = 0; j < kNB; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) d[j][r] = 0.f;
-        for (int ks = 0; ks < p.ksteps; ++ks) {
-          uint32_t a[4];  // matrices: (pix 0-7, ch 0-7), (pix 8-15, ch 0-7), (pix 0-7, ch 8-15), (pix 8-15, ch 8-15)
-          ldsm_x4(a, arow + ks * 16);
-#pragma unroll
-          for (int j = 0; j < kNB; ++j) {
-            const int nt = nb0 + j;
-            if (nt < nt_count) {
-              const uint2 b = wfr[(ks * kNT + nt) * 32 + lane];
-              mma16816<T>(d[j], a, b.x, b.y);
-            }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kNB; ++j) {
-          const int nt = nb0 + j;
-          if (nt >= nt_count) break;
-          const int ul = 2 * nt + (q >> 1);  // accumulator columns 2q, 2q+1: unit ul, dx 2(q&1), +1
-          const int64_t uoff = t_doff[ul] + 2 * (q & 1);
-          const float sc = t_sc[ul];
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            if (pok[hh]) store_pair(p.dinput, p.dinput_kind, base[hh] + uoff, d[j][2 * hh] * sc, d[j][2 * hh + 1] * sc);
-        }
-      }
-    }
+    // (3) dinput.
+    float d[kNB][4];
+    if (want_dinput && m0 + 16 * warp < p.m_total)
+      dinput_tile<T, kNT, kNB>(p, tables, gsm, wfr, d, m0, nt_count, warp, lane, g, q);
   }
 
-  // This CTA's dw partial: accumulator e of tile nt: channel 16mt + g + 8(e/2), column 2q + e%2.
-  if (16 * mt < p.p0) {
-    float* const part = p.ws_dw + int64_t(blockIdx.x) * p.e_total;
-    const int k16 = 4 * p.c * 4;
-#pragma unroll
-    for (int i = 0; i < kNW; ++i) {
-      const int nt = nbase + 2 * i;
-      if (nt >= nt_count) break;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ch = 16 * mt + g + 8 * (e >> 1), col = 2 * q + (e & 1);
-        if (ch < p.p0) part[ch * k16 + weight_row(u0 + 2 * nt + (col >> 2), col & 3, p.c)] = acc[i][e];
-      }
-    }
-  }
-  if (p.ws_sum != nullptr && blockIdx.y == 0) {  // fixed-order block reduction of sum_da
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum_da += __shfl_xor_sync(0xffffffffu, sum_da, o);
-    if (lane == 0) red[warp] = sum_da;
-    __syncthreads();
-    if (tid == 0) {
-      float s = 0.f;
-      for (int w = 0; w < kWarps; ++w) s += red[w];
-      p.ws_sum[blockIdx.x] = s;
-    }
-  }
+  if (16 * mt < p.p0) store_dw_partial<kNW>(p, acc, u0, mt, nbase, nt_count, g, q);
+  if (p.ws_sum != nullptr && blockIdx.y == 0) store_sum_da(p.ws_sum, red, sum_da, tid, warp, lane);
 }
 
 // dw[e] = sum of the partials (fixed order, float64): kFinCols elements per CTA, kFinRows partial rows each summed

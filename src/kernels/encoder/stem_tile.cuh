@@ -121,6 +121,81 @@ __device__ __forceinline__ void stage_b(const StemArgs& a, int c_count, int s0, 
       dst[stem_b_slot(ul & 3, dx, 8 * chunk + j)] = static_cast<uint16_t>(v[j >> 1] >> (16 * (j & 1)));
   }
 }
+// The lane's 4 pixels: rows g and g + 8 of the warp's two m16 tiles, as offsets into x (pixels past m_total: pixel
+// 0's, and pix_ok false).
+__device__ __forceinline__ void lane_pixels(const StemArgs& a, int m_warp, int g, int wo, int hw, int m_total,
+                                            int64_t (&pix_off)[kMTiles][2], bool (&pix_ok)[kMTiles][2]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m_warp + mt * 16 + h * 8 + g;
+      pix_ok[mt][h] = m < m_total;
+      const unsigned mm = pix_ok[mt][h] ? unsigned(m) : 0u;
+      const unsigned img = mm / unsigned(hw), rem = mm - img * unsigned(hw);
+      const unsigned oi = rem / unsigned(wo), oj = rem - oi * unsigned(wo);
+      pix_off[mt][h] = int64_t(img) * a.stride_n + int64_t(4 * oi) * a.stride_h + int64_t(4 * oj) * a.stride_w;
+    }
+}
+
+// Raw A data of k-steps s0 .. s0 + kBatch - 1, all loads issued back to back (straight-line code: pixels past the
+// end read pixel 0 and are zeroed later), with each step's unit's scale and shift.
+template <class E, int kC, int kBatch>
+__device__ __forceinline__ void load_raw_batch(const StemArgs& a, const E* x, bool vec, bool affine, int c_count,
+                                               int s0, int q, const int64_t (&pix_off)[kMTiles][2],
+                                               uint32_t (&raw)[kBatch][kMTiles][2][kRawWords<E>], float (&sc)[kBatch],
+                                               float (&sh)[kBatch]) {
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) {
+    const int s = s0 + i;
+    const bool step_ok = kC > 0 || s < c_count;
+    const int u = step_ok ? 4 * s + q : q;  // keeps the scale / shift index in range
+    const int c = u % c_count, dy = u / c_count;
+    const int64_t uoff = int64_t(c) * a.stride_c + int64_t(dy) * a.stride_h;
+    sc[i] = 1.f, sh[i] = 0.f;
+    if (affine) sc[i] = __ldg(a.in_scale + c), sh[i] = __ldg(a.in_shift + c);
+    if (!step_ok) {  // uniform (generic C only)
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < kRawWords<E>; ++r) raw[i][mt][h][r] = 0u;
+    } else if (vec) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) load_raw_vec(x + pix_off[mt][h] + uoff, raw[i][mt][h]);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) load_raw_strided(x + pix_off[mt][h] + uoff, a.stride_w, raw[i][mt][h]);
+    }
+  }
+}
+
+// acc += the batch's A fragments times the staged B of its k-steps (stopping at c_count for a run-time C).
+template <class T, int kC, int kBatch>
+__device__ __forceinline__ void batch_mma(float (&acc)[kMTiles][8][4], const uint32_t (&af)[kBatch][kMTiles][4],
+                                          const uint4* bs, int c_count, int s0, int lane) {
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) {
+    const int s = s0 + i;
+    if (kC == 0 && s >= c_count) break;
+    const uint4* bstep = bs + (s % kChunkSteps) * (4 * 32);
+#pragma unroll
+    for (int tp = 0; tp < 4; ++tp) {
+      const uint4 b = bstep[tp * 32 + lane];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma16816<T>(acc[mt][2 * tp], af[i][mt], b.x, b.y);
+        mma16816<T>(acc[mt][2 * tp + 1], af[i][mt], b.z, b.w);
+      }
+    }
+  }
+}
+
 // Accumulates this warp's tile: pixels m_warp .. m_warp + 31 (pixels past m_total read pixel 0 and are zeroed) x
 // channels n0 .. n0 + 63. Every thread of the CTA (kThreads of them) must call it: B is staged into bs (smem_steps<kC>()
 // * 2 KB of shared memory, free on entry) between CTA barriers.
@@ -143,20 +218,9 @@ __device__ __forceinline__ void warp_gemm(const StemArgs& a, int m_warp, int n0,
   const bool vec = a.stride_w == 1 && (reinterpret_cast<uintptr_t>(x) % (4 * sizeof(E))) == 0 &&
                    (a.n == 1 || a.stride_n % 4 == 0) && (c_count == 1 || a.stride_c % 4 == 0) && a.stride_h % 4 == 0;
 
-  // The lane's 4 pixels: rows g and g + 8 of the warp's two m16 tiles.
   int64_t pix_off[kMTiles][2];
   bool pix_ok[kMTiles][2];
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m_warp + mt * 16 + h * 8 + g;
-      pix_ok[mt][h] = m < m_total;
-      const unsigned mm = pix_ok[mt][h] ? unsigned(m) : 0u;
-      const unsigned img = mm / unsigned(hw), rem = mm - img * unsigned(hw);
-      const unsigned oi = rem / unsigned(wo), oj = rem - oi * unsigned(wo);
-      pix_off[mt][h] = int64_t(img) * a.stride_n + int64_t(4 * oi) * a.stride_h + int64_t(4 * oj) * a.stride_w;
-    }
+  lane_pixels(a, m_warp, g, wo, hw, m_total, pix_off, pix_ok);
 
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -166,39 +230,11 @@ __device__ __forceinline__ void warp_gemm(const StemArgs& a, int m_warp, int n0,
       for (int r = 0; r < 4; ++r) acc[mt][t][r] = 0.f;
 
   for (int s0 = 0; s0 < c_count; s0 += kBatch) {
-    // Raw A data of k-steps s0 .. s0 + kBatch - 1, all loads issued back to back (straight-line code: pixels past
-    // the end read pixel 0 and are zeroed below), before the B staging so that both latencies overlap; conversion
-    // only after the barrier.
+    // The batch's raw A data is loaded before the B staging so that both latencies overlap; conversion only after
+    // the barrier.
     uint32_t raw[kBatch][kMTiles][2][kRawWords<E>];
     float sc[kBatch], sh[kBatch];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int s = s0 + i;
-      const bool step_ok = kC > 0 || s < c_count;
-      const int u = step_ok ? 4 * s + q : q;  // keeps the scale / shift index in range
-      const int c = u % c_count, dy = u / c_count;
-      const int64_t uoff = int64_t(c) * a.stride_c + int64_t(dy) * a.stride_h;
-      sc[i] = 1.f, sh[i] = 0.f;
-      if (affine) sc[i] = __ldg(a.in_scale + c), sh[i] = __ldg(a.in_shift + c);
-      if (!step_ok) {  // uniform (generic C only)
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int r = 0; r < kRawWords<E>; ++r) raw[i][mt][h][r] = 0u;
-      } else if (vec) {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) load_raw_vec(x + pix_off[mt][h] + uoff, raw[i][mt][h]);
-      } else {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) load_raw_strided(x + pix_off[mt][h] + uoff, a.stride_w, raw[i][mt][h]);
-      }
-    }
+    load_raw_batch<E, kC, kBatch>(a, x, vec, affine, c_count, s0, q, pix_off, raw, sc, sh);
 
     if (s0 % kChunkSteps == 0) {  // (re)stage B for k-steps s0 .. s0 + 15
       if (s0 > 0) __syncthreads();
@@ -207,6 +243,7 @@ __device__ __forceinline__ void warp_gemm(const StemArgs& a, int m_warp, int n0,
     }
 
     // A fragments (the K permutation): a[0]: pixel g, dx 0-1; a[1]: pixel g+8, dx 0-1; a[2], a[3]: the same, dx 2-3.
+    // (Here, not in a function of its own: there nvcc orders the registers of sc and sh differently.)
     uint32_t af[kBatch][kMTiles][4];
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
@@ -239,21 +276,7 @@ __device__ __forceinline__ void warp_gemm(const StemArgs& a, int m_warp, int n0,
         }
     }
 
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int s = s0 + i;
-      if (kC == 0 && s >= c_count) break;
-      const uint4* bstep = bs + (s % kChunkSteps) * (4 * 32);
-#pragma unroll
-      for (int tp = 0; tp < 4; ++tp) {
-        const uint4 b = bstep[tp * 32 + lane];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma16816<T>(acc[mt][2 * tp], af[i][mt], b.x, b.y);
-          mma16816<T>(acc[mt][2 * tp + 1], af[i][mt], b.z, b.w);
-        }
-      }
-    }
+    batch_mma<T, kC, kBatch>(acc, af, bs, c_count, s0, lane);
   }
 }
 
