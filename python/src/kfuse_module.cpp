@@ -252,21 +252,10 @@ struct CallSpec {
 
 void bind_mlp(nanobind::module_& m);  // mlp_bindings.cpp: the generated fused MLP
 
-NB_MODULE(_C, m) {
-  using namespace kfuse;
-  m.doc() = "kfuse C++ core (CPU reference, checkpoints, device queries, kernels)";
+namespace kfuse {
+namespace {
 
-  static nb::exception<CheckpointError> checkpoint_error(m, "CheckpointError", PyExc_ValueError);
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const Unsupported& e) {
-      PyErr_SetString(PyExc_NotImplementedError, e.what());
-    }
-  });
-
+void bind_reference(nb::module_& m) {
   m.def("param_specs", &param_specs_py, "config"_a,
         "[(name, shape)] of every parameter in bps-nav's state_dict order; config = (in_channels, base_planes, "
         "layers)");
@@ -317,12 +306,12 @@ NB_MODULE(_C, m) {
           save_encoder_checkpoint(path, to_params<float>(to_config(c), params));
         },
         "path"_a, "config"_a, "params"_a, "Saves float32 parameters as an encoder checkpoint (safetensors)");
+}
 
 #if KFUSE_WITH_CUDA
-  nb::class_<CallSpec>(m, "CallSpec", "A validated encoder call (EncoderGpu.prepare_call)");
-  nb::class_<EncoderGpu>(m, "EncoderGpu",
-                         "The fused CUDA inference path of one encoder on one device (weights, activations, graphs)")
-      .def("__init__",
+// EncoderGpu: construction, weights, the inference call and tuning ...
+void bind_encoder_inference(nb::class_<EncoderGpu>& encoder) {
+  encoder.def("__init__",
            [](EncoderGpu* self, const ConfigTuple& c, const std::string& precision, int device,
               const OptionMap& options) {
              KFUSE_CHECK(precision == "float16" || precision == "bfloat16", InvalidArgument,
@@ -382,8 +371,12 @@ NB_MODULE(_C, m) {
            },
            "n"_a, "h"_a, "w"_a, "mode"_a = "retune", "progress"_a = nb::none(), "training"_a = false,
            "Tunes every convolution of the (N, H, W) geometry (training: also the backward's weight and data "
-           "gradients); one dict per convolution")
-      .def("set_weights_device",
+           "gradients); one dict per convolution");
+}
+
+// ... and the training step, graphs and the launch plan.
+void bind_encoder_training(nb::class_<EncoderGpu>& encoder) {
+  encoder.def("set_weights_device",
            [](EncoderGpu& e, const std::vector<uintptr_t>& ptrs, const std::string& dtype, uintptr_t stream) {
              KFUSE_CHECK(dtype == "float32" || dtype == "float16" || dtype == "bfloat16", InvalidArgument,
                          "parameter dtype must be float32, float16 or bfloat16, got ", dtype);
@@ -436,9 +429,10 @@ NB_MODULE(_C, m) {
       .def("launch_plan", &EncoderGpu::launch_plan, "n"_a, "h"_a, "w"_a, "training"_a = false,
            "Which kernels run: one entry per step of the inference forward (or of the training step) on n x C x h x w "
            "inputs, e.g. 'stem', 'block1:fused_block_wgmma', 'block4:conv1,conv2_squeeze_projection,squeeze_excite'");
+}
 #endif
 
-  bind_mlp(m);
+void bind_devices(nb::module_& m) {
   m.def("built_with_cuda", &built_with_cuda);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("compiled_architectures", &compiled_architectures);
@@ -455,4 +449,34 @@ NB_MODULE(_C, m) {
     r["runtime_version"] = d.runtime_version;
     return r;
   });
+}
+
+}  // namespace
+}  // namespace kfuse
+
+NB_MODULE(_C, m) {
+  using namespace kfuse;
+  m.doc() = "kfuse C++ core (CPU reference, checkpoints, device queries, kernels)";
+
+  static nb::exception<CheckpointError> checkpoint_error(m, "CheckpointError", PyExc_ValueError);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const Unsupported& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what());
+    }
+  });
+
+  bind_reference(m);
+#if KFUSE_WITH_CUDA
+  nb::class_<CallSpec>(m, "CallSpec", "A validated encoder call (EncoderGpu.prepare_call)");
+  nb::class_<EncoderGpu> encoder(m, "EncoderGpu",
+                                 "The fused CUDA path of one encoder on one device (weights, activations, graphs)");
+  bind_encoder_inference(encoder);
+  bind_encoder_training(encoder);
+#endif
+  bind_mlp(m);
+  bind_devices(m);
 }

@@ -134,8 +134,11 @@ nb::dict build_info_dict(const FusedMlp& mlp) {
 }  // namespace
 }  // namespace kfuse
 
-void bind_mlp(nb::module_& m) {
-  using namespace kfuse;
+namespace kfuse {
+namespace {
+
+// The activations and the generated source (module functions) ...
+void bind_mlp_codegen(nb::module_& m) {
   m.def("mlp_builtin_activation",
         [](const std::string& name, std::optional<double> alpha) {
           return to_tuple(alpha ? builtin_activation(name, *alpha) : builtin_activation(name));
@@ -190,8 +193,11 @@ void bind_mlp(nb::module_& m) {
       "input_width"_a, "hidden_widths"_a, "output_width"_a, "activations"_a, "output_activation"_a, "bias"_a,
       "dtype"_a, "device"_a, "batch"_a, "mode"_a = "on",
       "Tunes the forward and backward kernel variants (kfuse::tune_mlp); returns (forward, backward, report rows)");
-  nb::class_<FusedMlp>(m, "FusedMlpGpu", "A fused MLP's generated kernels on one CUDA device (kfuse::FusedMlp)")
-      .def("__init__",
+}
+
+// ... the module's construction, weights and sizes ...
+void bind_mlp_setup(nb::class_<FusedMlp>& mlp) {
+  mlp.def("__init__",
            [](FusedMlp* self, int in, const std::vector<int>& hidden, int out, const std::vector<ActivationTuple>& acts,
               const ActivationTuple& out_act, const std::vector<bool>& bias, const std::string& dtype, int device,
               std::optional<nb::tuple> variant) {
@@ -237,8 +243,12 @@ void bind_mlp(nb::module_& m) {
              nb::gil_scoped_release release;
              f.pack_weights(w, b, out, as_stream(stream));
            },
-           "weights"_a, "biases"_a, "packed"_a, "stream"_a)
-      .def("forward",
+           "weights"_a, "biases"_a, "packed"_a, "stream"_a);
+}
+
+// ... and its calls (tensors, or raw pointers for the dispatcher ops).
+void bind_mlp_calls(nb::class_<FusedMlp>& mlp) {
+  mlp.def("forward",
            [](const FusedMlp& f, const Array& packed, const Array& x, const Array& y, uintptr_t stream) {
              const int64_t n = batch_of(f, x);
              const void* pk = checked(f, packed, "packed weight buffer", Want::kBytes, {}, f.packed_weights_bytes());
@@ -309,5 +319,16 @@ void bind_mlp(nb::module_& m) {
            },
            "packed"_a, "x"_a, "y"_a, "dy"_a, "stash"_a, "workspace"_a, "grads"_a, "grads_16bit"_a, "dx"_a, "batch"_a,
            "stream"_a);
-#endif
+#endif;
+}
+
+}  // namespace
+}  // namespace kfuse
+
+void bind_mlp(nb::module_& m) {
+  using namespace kfuse;
+  bind_mlp_codegen(m);
+  nb::class_<FusedMlp> mlp(m, "FusedMlpGpu", "A fused MLP's generated kernels on one CUDA device (kfuse::FusedMlp)");
+  bind_mlp_setup(mlp);
+  bind_mlp_calls(mlp);
 }
