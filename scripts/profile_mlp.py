@@ -11,7 +11,7 @@ import torch
 from kernel_profile import kernel_times, print_host_profile
 
 from kfuse.bench_mlp import MLP_BATCH, MLP_IN, MLP_OUT, _sequential
-from kfuse.encoder import format_tuning_table
+from kfuse.tuning_table import format_tuning_table
 from kfuse.mlp import FusedMLP
 
 

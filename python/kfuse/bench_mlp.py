@@ -25,7 +25,7 @@ from torch import nn
 
 from . import _C
 from .benchmark import save_results, time_gpu
-from .encoder import format_tuning_table
+from .tuning_table import format_tuning_table
 from .mlp import FusedMLP
 
 MLP_WIDTHS = (64, 128, 256)

@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 
 from . import _C, reference
-from .encoder import ResNetEncoder, tuning_verdict
+from .encoder import ResNetEncoder
+from .tuning_table import tuning_verdict
 
 GPU_REQUIREMENT = "kfuse's fast paths need an NVIDIA GPU with compute capability 8.0 or newer (sm_80+)"
 

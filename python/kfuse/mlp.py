@@ -294,7 +294,7 @@ class FusedMLP(nn.Module):
         random data, checked against the default's output; the choice is cached on disk (mode 'on': a cached
         choice is used as is, 'retune': time again, 'off': the heuristic default). variants() then returns it
         (unless `variant` / `backward_variant` override it). Returns the tuner's report rows (print them with
-        kfuse.encoder.format_tuning_table)."""
+        kfuse.tuning_table.format_tuning_table)."""
         device, compute = self._gpu_target()
         fwd, bwd, rows = _C.mlp_tune(self.input_width, self.hidden_widths, self.output_width,
                                      [a.as_tuple() for a in self.activations], self.output_activation.as_tuple(),

@@ -1,5 +1,5 @@
 // The Python spelling of a tuning mode ('off', 'on', 'retune'), and one tuner report row (kfuse/tuner.h) as the
-// Python dict that model.tune() and FusedMLP.tune() return and kfuse.encoder.format_tuning_table prints (times in
+// Python dict that model.tune() and FusedMLP.tune() return and kfuse.tuning_table.format_tuning_table prints (times in
 // ms; None where unknown).
 #pragma once
 

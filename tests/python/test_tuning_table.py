@@ -2,7 +2,7 @@
 
 import math
 
-from kfuse.encoder import format_tuning_table, tuning_verdict
+from kfuse.tuning_table import format_tuning_table, tuning_verdict
 
 
 def row(default, cudnn, tuned, spread, choice="sm90_128x64", cached=False):
