@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "kfuse/mlp_options.h"
 #include "kfuse/tuner.h"
 
 struct CUstream_st;
@@ -139,17 +140,21 @@ inline bool mlp_wgmma_supported(int cc_major, int cc_minor) { return cc_major ==
 // whole warpgroups, and with streamed weights only with m_tiles 1).
 void validate_variant(const MlpSpec& spec, const MlpVariant& v);
 
-// Shared memory (bytes) a variant needs for its forward and backward kernels.
-size_t mlp_forward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
+// Shared memory (bytes) a variant needs for its forward and backward kernels. The functions that take MlpOptions
+// size the kernels those options generate (MlpOptions::mma_bias changes the wgmma forward's).
+size_t mlp_forward_smem_bytes(const MlpSpec& spec, const MlpVariant& v, const MlpOptions& options = {});
 size_t mlp_backward_smem_bytes(const MlpSpec& spec, const MlpVariant& v);
 // The variants worth trying for a spec on a device with `smem_optin` bytes of shared memory per block (the
 // default first); the heuristic default alone is mlp_default_variant. With `hopper` (mlp_wgmma_supported) the
 // wgmma forward variants that fit join them, and a network whose weights must stream defaults to the wgmma one.
-std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin, bool hopper = false);
-MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin, bool hopper = false);
+std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin, bool hopper = false,
+                                               const MlpOptions& options = {});
+MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin, bool hopper = false,
+                               const MlpOptions& options = {});
 // Whether `v` can take fused_wgrad for `spec` (its value of fused_wgrad aside): resident weights, per-thread weight
 // gradient accumulators within the budget, shared memory within smem_optin.
-bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_optin);
+bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_optin,
+                          const MlpOptions& options = {});
 
 // The variants the autotuner chose for one spec and batch on one device: the inference forward's and the training
 // step's (its forward_train and backward), timed as two ops ("mlp_forward", "mlp_train") over
@@ -157,14 +162,15 @@ bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_
 // (kfuse/tuner.h). The two may differ: weights, stash and activations are laid out the same for every variant (a
 // variant with recompute leaves the stash arrays of its recomputed layers unwritten, so only its own backward may
 // read a stash its forward_train wrote).
-// Compiles (or loads from the kernel cache) one FusedMlp per candidate when it has to time them.
+// Compiles (or loads from the kernel cache) one FusedMlp per candidate, with `mlp_options` (and the developer
+// overrides, as FusedMlp), when it has to time them; options other than the defaults are part of the tuning key.
 struct MlpTuning {
   MlpVariant forward;   // inference: forward()
   MlpVariant backward;  // training: forward_train() and backward()
   std::vector<OpTuningReport> rows;  // forward, backward
 };
 MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mode = TuningMode::kOnFirstUse,
-                   const TunerOptions& options = {});
+                   const TunerOptions& options = {}, const MlpOptions& mlp_options = {});
 
 // How a FusedMlp got its kernels: compile time and whether the binary came from the disk cache.
 struct MlpBuildInfo {
@@ -181,17 +187,20 @@ struct MlpBuildInfo {
 // Every call is asynchronous on `stream` (a cudaStream_t; nullptr = the legacy default stream). The inference
 // forward is compiled (or loaded) by the constructor; the training kernels (forward_train and the backward) on a
 // helper thread from then on, loaded by the first forward_train() or backward().
+// `options` choose between the kernels' alternative code paths (kfuse/mlp_options.h); the developer's environment
+// overrides (KFUSE_MLP_*) apply on top of them, once, here; without a variant the default is the one for them.
 class FusedMlp {
  public:
   using Stream = CUstream_st*;
-  FusedMlp(const MlpSpec& spec, int device = 0);
-  FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant);
+  FusedMlp(const MlpSpec& spec, int device = 0, const MlpOptions& options = {});
+  FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant, const MlpOptions& options = {});
   ~FusedMlp();
   FusedMlp(const FusedMlp&) = delete;
   FusedMlp& operator=(const FusedMlp&) = delete;
 
   const MlpSpec& spec() const;
   const MlpVariant& variant() const;
+  const MlpOptions& options() const;  // in effect: the given ones with the environment's overrides
   const MlpBuildInfo& build_info() const;
   int device() const;
 

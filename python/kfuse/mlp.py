@@ -204,14 +204,21 @@ class FusedMLP(nn.Module):
     - parameters are ``layers[i].weight`` / ``layers[i].bias`` (nn.Linear's); the module's dtype is the compute
       dtype on the GPU (float16 or bfloat16 with fp32 accumulation; a float32 module computes in float16 and returns
       float32);
-    - any batch >= 1 and any leading dimensions: input (..., input_width) -> output (..., output_width).
+    - any batch >= 1 and any leading dimensions: input (..., input_width) -> output (..., output_width);
+    - ``options``: the generated kernels' alternative code paths, a dict of ``kfuse::MlpOptions`` field names to
+      bools (``packed_relu``, ``staged_stores``, ``mma_bias``; include/kfuse/mlp_options.h), the rest at their
+      defaults (the fastest measured). Every setting computes the same function; they exist for same-run A/B
+      measurements and tests of one code path. Every engine (tuned variants too) uses them; the ``KFUSE_MLP_*``
+      environment overrides still apply on top.
     """
 
     def __init__(self, input_width: int, output_width: int, hidden_widths: Sequence[int] = (64, 64, 64, 64),
                  activation: ActivationLike | Sequence[ActivationLike] = "relu",
                  output_activation: ActivationLike = "identity", bias: bool | Sequence[bool] = True,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 options: dict[str, bool] | None = None):
         super().__init__()
+        self._options = _C.mlp_options(dict(options or {}))  # ValueError naming an unknown field
         hidden = [int(w) for w in hidden_widths]
         if _is_single_activation(activation):
             acts = [_as_activation(activation, "activation")] * len(hidden)
@@ -243,10 +250,17 @@ class FusedMLP(nn.Module):
         self._kfuse_uid = _script.register(self)
 
     # -- construction --------------------------------------------------------------------------------------------
+    @property
+    def options(self) -> dict[str, bool]:
+        """Every kernel option as given to the constructor (defaults filled in; without the environment's
+        overrides, which each engine's ``options()`` includes)."""
+        return dict(self._options)
+
     @classmethod
-    def from_torch(cls, module: nn.Sequential) -> "FusedMLP":
+    def from_torch(cls, module: nn.Sequential, options: dict[str, bool] | None = None) -> "FusedMLP":
         """A FusedMLP with the structure, weights, dtype and device of an ``nn.Sequential`` of ``nn.Linear``
-        layers (with or without bias) and supported activations between them (and optionally after the last)."""
+        layers (with or without bias) and supported activations between them (and optionally after the last);
+        ``options`` as in the constructor."""
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"from_torch expects an nn.Sequential, got {type(module).__name__}")
         linears: list[nn.Linear] = []
@@ -279,7 +293,7 @@ class FusedMLP(nn.Module):
                                  f"multiples of 16 up to 256")
         p = linears[0].weight
         mlp = cls(linears[0].in_features, linears[-1].out_features, hidden, acts[:-1], acts[-1],
-                  [m.bias is not None for m in linears], dtype=p.dtype, device=p.device)
+                  [m.bias is not None for m in linears], dtype=p.dtype, device=p.device, options=options)
         with torch.no_grad():
             for dst, src in zip(mlp.layers, linears):
                 dst.weight.copy_(src.weight)
@@ -298,7 +312,8 @@ class FusedMLP(nn.Module):
         device, compute = self._gpu_target()
         fwd, bwd, rows = _C.mlp_tune(self.input_width, self.hidden_widths, self.output_width,
                                      [a.as_tuple() for a in self.activations], self.output_activation.as_tuple(),
-                                     self.bias_flags, _GPU_DTYPES[compute], device.index or 0, int(batch), mode)
+                                     self.bias_flags, _GPU_DTYPES[compute], device.index or 0, int(batch), mode,
+                                     self._options)
         self._tuned[(device.index or 0, compute)] = (tuple(fwd), tuple(bwd))
         return list(rows)
 
@@ -343,7 +358,8 @@ class FusedMLP(nn.Module):
         if e is None:
             e = _C.FusedMlpGpu(self.input_width, self.hidden_widths, self.output_width,
                                [a.as_tuple() for a in self.activations], self.output_activation.as_tuple(),
-                               self.bias_flags, _GPU_DTYPES[compute_dtype], device.index or 0, variant)
+                               self.bias_flags, _GPU_DTYPES[compute_dtype], device.index or 0, variant,
+                               self._options)
             self._engines[key] = e
         return e
 
@@ -468,6 +484,7 @@ class FusedMLP(nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("_options", _C.mlp_options({}))  # pickled before the module had options
         self._kfuse_uid = _script.register(self)  # a copy is a module of its own (kfuse/_script.py)
 
     def extra_repr(self) -> str:

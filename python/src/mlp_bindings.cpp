@@ -2,6 +2,7 @@
 // every device, dtype, shape and size is checked here against the spec and named in the error, so that the core
 // receives only raw pointers it can trust. python/kfuse/mlp.py is the torch-facing layer.
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -9,6 +10,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -118,6 +120,34 @@ nb::tuple variant_tuple(const MlpVariant& v) {
                         v.wgmma_backward);
 }
 
+// MlpOptions (kfuse/mlp_options.h) by field name, as Python passes them: the names not given keep their defaults.
+using MlpOptionMap = std::map<std::string, bool>;
+constexpr std::pair<const char*, bool MlpOptions::*> kMlpOptionFields[] = {
+    {"packed_relu", &MlpOptions::packed_relu},
+    {"staged_stores", &MlpOptions::staged_stores},
+    {"mma_bias", &MlpOptions::mma_bias}};
+
+MlpOptions to_mlp_options(const MlpOptionMap& given) {
+  MlpOptions o;
+  for (const auto& [name, value] : given) {
+    bool known = false;
+    for (const auto& [n, field] : kMlpOptionFields)
+      if (name == n) o.*field = value, known = true;
+    if (!known) {
+      std::string names;
+      for (const auto& [n, field] : kMlpOptionFields) names += std::string(names.empty() ? "" : ", ") + n;
+      throw InvalidArgument("unknown MLP option '" + name + "' (options: " + names + ")");
+    }
+  }
+  return o;
+}
+
+MlpOptionMap from_mlp_options(const MlpOptions& o) {
+  MlpOptionMap out;
+  for (const auto& [n, field] : kMlpOptionFields) out[n] = o.*field;
+  return out;
+}
+
 nb::dict build_info_dict(const FusedMlp& mlp) {
   const MlpBuildInfo& b = mlp.build_info();
   nb::dict d;
@@ -157,6 +187,9 @@ void bind_mlp_codegen(nb::module_& m) {
         },
         "name"_a, "expression"_a, "derivative"_a, "compile"_a = true,
         "Checks a user activation (syntax; with compile=True also NVRTC); returns (derivative uses x, uses y)");
+  m.def("mlp_options", [](const MlpOptionMap& given) { return from_mlp_options(to_mlp_options(given)); },
+        "options"_a, "Every MlpOptions field (kfuse/mlp_options.h): the given ones, the rest at their defaults; "
+        "raises ValueError naming an unknown field");
   m.def("mlp_spec_string",
         [](int in, const std::vector<int>& hidden, int out, const std::vector<ActivationTuple>& acts,
            const ActivationTuple& out_act, const std::vector<bool>& bias, const std::string& dtype) {
@@ -174,25 +207,27 @@ void bind_mlp_codegen(nb::module_& m) {
       "mlp_tune",
       [](int in, const std::vector<int>& hidden, int out, const std::vector<ActivationTuple>& acts,
          const ActivationTuple& out_act, const std::vector<bool>& bias, const std::string& dtype, int device,
-         int64_t batch, const std::string& mode) {
+         int64_t batch, const std::string& mode, const MlpOptionMap& options) {
         KFUSE_CHECK(dtype == "float16" || dtype == "bfloat16", InvalidArgument,
                     "MLP dtype must be 'float16' or 'bfloat16', got '", dtype, "'");
         MlpSpec s{in, hidden, out, {}, from_tuple(out_act), bias,
                   dtype == "bfloat16" ? MlpDType::kBFloat16 : MlpDType::kFloat16};
         for (const auto& a : acts) s.activations.push_back(from_tuple(a));
         const TuningMode tm = parse_tuning_mode(mode);
+        const MlpOptions o = to_mlp_options(options);
         MlpTuning t;
         {
           nb::gil_scoped_release release;
-          t = tune_mlp(s, device, batch, tm);
+          t = tune_mlp(s, device, batch, tm, {}, o);
         }
         nb::list rows;
         for (const auto& r : t.rows) rows.append(report_dict(r));
         return nb::make_tuple(variant_tuple(t.forward), variant_tuple(t.backward), rows);
       },
       "input_width"_a, "hidden_widths"_a, "output_width"_a, "activations"_a, "output_activation"_a, "bias"_a,
-      "dtype"_a, "device"_a, "batch"_a, "mode"_a = "on",
-      "Tunes the forward and backward kernel variants (kfuse::tune_mlp); returns (forward, backward, report rows)");
+      "dtype"_a, "device"_a, "batch"_a, "mode"_a = "on", "options"_a = MlpOptionMap{},
+      "Tunes the forward and backward kernel variants (kfuse::tune_mlp) of an MLP with `options` (mlp_options); "
+      "returns (forward, backward, report rows)");
 }
 
 // ... the module's construction, weights and sizes ...
@@ -200,7 +235,7 @@ void bind_mlp_setup(nb::class_<FusedMlp>& mlp) {
   mlp.def("__init__",
            [](FusedMlp* self, int in, const std::vector<int>& hidden, int out, const std::vector<ActivationTuple>& acts,
               const ActivationTuple& out_act, const std::vector<bool>& bias, const std::string& dtype, int device,
-              std::optional<nb::tuple> variant) {
+              std::optional<nb::tuple> variant, const MlpOptionMap& options) {
              KFUSE_CHECK(dtype == "float16" || dtype == "bfloat16", InvalidArgument,
                          "MLP dtype must be 'float16' or 'bfloat16', got '", dtype, "'");
              MlpSpec s{in, hidden, out, {}, from_tuple(out_act), bias,
@@ -208,15 +243,19 @@ void bind_mlp_setup(nb::class_<FusedMlp>& mlp) {
              for (const auto& a : acts) s.activations.push_back(from_tuple(a));
              const std::optional<MlpVariant> v =
                  variant ? std::optional<MlpVariant>(variant_from_tuple(*variant)) : std::nullopt;
+             const MlpOptions o = to_mlp_options(options);
              nb::gil_scoped_release release;
              if (v) {
-               new (self) FusedMlp(s, device, *v);
+               new (self) FusedMlp(s, device, *v, o);
              } else {
-               new (self) FusedMlp(s, device);
+               new (self) FusedMlp(s, device, o);
              }
            },
            "input_width"_a, "hidden_widths"_a, "output_width"_a, "activations"_a, "output_activation"_a, "bias"_a,
-           "dtype"_a, "device"_a, "variant"_a = nb::none())
+           "dtype"_a, "device"_a, "variant"_a = nb::none(), "options"_a = MlpOptionMap{},
+           "options: MlpOptions fields by name (kfuse/mlp_options.h), bools; the rest keep their defaults")
+      .def("options", [](const FusedMlp& f) { return from_mlp_options(f.options()); },
+           "the options in effect (given, with developer overrides from the environment applied)")
       .def_prop_ro("build_info", &build_info_dict)
       .def_prop_ro("num_parameters", [](const FusedMlp& f) { return f.spec().num_parameters(); })
       .def("packed_weights_bytes", &FusedMlp::packed_weights_bytes)

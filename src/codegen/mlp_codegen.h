@@ -54,9 +54,10 @@ inline std::string activation_struct_name(int layer) { return "ActL" + std::to_s
 // one takes 0.9 s of a build machine's core).
 enum class MlpModulePart { kForward, kTraining, kAll };
 
-// The module source. Deterministic: equal arguments give equal text (the disk cache's key).
+// The module source. Deterministic: equal arguments give equal text (the disk cache's key). `options` are the ones
+// in effect (FusedMlp::options()): nothing here reads the environment.
 std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant,
-                                MlpModulePart part = MlpModulePart::kAll);
+                                MlpModulePart part = MlpModulePart::kAll, const MlpOptions& options = {});
 
 // A small source holding only the activation's two functions, to check user expressions quickly.
 std::string activation_probe_source(const Activation& activation);

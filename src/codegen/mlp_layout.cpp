@@ -1,10 +1,7 @@
 #include "codegen/mlp_layout.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
-
-#include "core/dev_overrides.h"
 
 namespace kfuse::codegen {
 
@@ -56,9 +53,9 @@ int64_t forward_stage_bytes_per_warp(const MlpSpec& spec, const MlpVariant& v) {
   return int64_t(16) * v.m_tiles * forward_stage_ld(spec) * 2;
 }
 
-WgmmaForwardLayout wgmma_forward_layout(const MlpSpec& spec, const MlpVariant& v) {
+WgmmaForwardLayout wgmma_forward_layout(const MlpSpec& spec, const MlpVariant& v, const MlpOptions& options) {
   WgmmaForwardLayout w;
-  w.bias_k = mlp_codegen_overrides().mma_bias ? 16 : 0;
+  w.bias_k = options.mma_bias ? 16 : 0;
   int64_t at = 0;
   for (int l = 0; l < spec.num_layers(); ++l) {
     w.weight_offset.push_back(at);

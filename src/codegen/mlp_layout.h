@@ -45,7 +45,7 @@ int64_t forward_stage_bytes_per_warp(const MlpSpec& spec, const MlpVariant& v);
 //   columns stored as 128 contiguous bytes; core matrices along K are 128 bytes apart (the descriptor's leading
 //   byte offset), along N (in_padded + bias_k) * 16 bytes (its stride byte offset). bias_k = 16: each layer's bias
 //   is one more K slice (column in_padded = the bias, the rest zeros), which the forward multiplies by a ones
-//   column of A to start its accumulators (KFUSE_MLP_MMA_BIAS=0: 0, the bias loaded into registers instead);
+//   column of A to start its accumulators (without MlpOptions::mma_bias: 0, the bias loaded into registers);
 //   per warp its x tile: 16 * m_tiles rows of in_padded + 8 halves (the next row block's input, by cp.async);
 //   per warp the store staging area (forward_stage_bytes_per_warp).
 struct WgmmaForwardLayout {
@@ -54,7 +54,7 @@ struct WgmmaForwardLayout {
   int64_t x_tile_offset = 0, x_tile_bytes_per_warp = 0, x_tile_ld = 0;
   int64_t stage_offset = 0, smem_bytes = 0;
 };
-WgmmaForwardLayout wgmma_forward_layout(const MlpSpec& spec, const MlpVariant& v);
+WgmmaForwardLayout wgmma_forward_layout(const MlpSpec& spec, const MlpVariant& v, const MlpOptions& options);
 
 // The wgmma forward with streamed weights (MlpVariant::wgmma without weights_resident: wide networks whose weights
 // do not fit in shared memory), in bytes from its start:

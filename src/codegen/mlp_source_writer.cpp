@@ -19,7 +19,6 @@
 #include "codegen/mlp_wgmma_backward.h"
 #include "codegen/mlp_wgmma_forward.h"
 #include "codegen/mlp_wgrad_plan.h"
-#include "core/dev_overrides.h"
 #include "kfuse/error.h"
 
 namespace kfuse::codegen {
@@ -164,10 +163,10 @@ const char* const kFwdParams =
     "i64 num_blocks; };\n\n";
 
 void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m,
-                   ForwardKernels kernels) {
+                   ForwardKernels kernels, const MlpOptions& options) {
   if (v.wgmma) {
     os << kFwdParams;
-    if (v.weights_resident) write_wgmma_forward_body(os, s, v, m);
+    if (v.weights_resident) write_wgmma_forward_body(os, s, v, m, options);
     else write_wgmma_stream_forward_body(os, s, v, m);
     write_forward_kernels(os, kernels);
     return;
@@ -179,9 +178,9 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   KernelWriter w(os, v, gemms, m.fwd_region_halves * 2);
   // Stores go through the warp's staging area after the weights (store_c_staged).
   const int stage_ld = forward_stage_ld(s);
-  // The developer override KFUSE_MLP_STAGED_STORES=0 writes the fragments directly instead (the shared memory stays
-  // reserved either way).
-  const bool stage_stores = mlp_codegen_overrides().staged_stores;
+  // Without MlpOptions::staged_stores the fragments are written directly instead (the shared memory stays reserved
+  // either way).
+  const bool stage_stores = options.staged_stores;
   auto staged = [&](int width, const std::string& acc, const std::string& out) {
     if (!stage_stores) return cat("store_c<", width, ", ", width, ">(", acc, ", ", out, ", row, p.batch, q);");
     return cat("store_c_staged<", width, ", ", stage_ld, ">(", acc, ", ", out,
@@ -488,7 +487,8 @@ void write_wgrad_reduce(std::ostringstream& os, const MlpSpec& spec, const Wgrad
 
 }  // namespace
 
-std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, MlpModulePart part) {
+std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, MlpModulePart part,
+                                const MlpOptions& options) {
   spec.validate();
   validate_variant(spec, variant);
   const MlpLayout m = mlp_layout(spec);
@@ -516,7 +516,7 @@ std::string generate_mlp_source(const MlpSpec& spec, const MlpVariant& variant, 
   for (int l = 0; l < spec.num_layers(); ++l) write_activation(os, act_struct(l), spec.layer_activation(l));
   os << "\n";
   if (inference) write_pack_kernel(os, spec, m);
-  write_forward(os, spec, variant, m, ForwardKernels{inference, bwd});
+  write_forward(os, spec, variant, m, ForwardKernels{inference, bwd}, options);
   if (bwd) {
     os << "struct BwdParams { const u16* dy; const u16* y; const u16* stash; const u16* w; u16* dz; u16* dx; "
           "const u16* x; float* partials; i64 batch; i64 num_blocks; };\n\n";

@@ -136,9 +136,9 @@ std::string MlpVariant::name() const {
 
 // Shared-memory rows are padded by 8 halves (16 bytes) so that ldmatrix's eight row addresses fall into distinct
 // bank groups (row strides of 16 * odd bytes).
-size_t mlp_forward_smem_bytes(const MlpSpec& s, const MlpVariant& v) {
+size_t mlp_forward_smem_bytes(const MlpSpec& s, const MlpVariant& v, const MlpOptions& options) {
   if (v.wgmma)
-    return static_cast<size_t>(v.weights_resident ? codegen::wgmma_forward_layout(s, v).smem_bytes
+    return static_cast<size_t>(v.weights_resident ? codegen::wgmma_forward_layout(s, v, options).smem_bytes
                                                   : codegen::wgmma_stream_layout(s, v).smem_bytes);
   size_t total = 0, chunk = 0;
   for (int l = 0; l < s.num_layers(); ++l) {
@@ -170,20 +170,20 @@ int max_width(const MlpSpec& s) {
   for (int l = 0; l < s.num_layers(); ++l) w = std::max({w, s.layer_in_padded(l), s.layer_out_padded(l)});
   return w;
 }
-bool fits(const MlpSpec& s, const MlpVariant& v, size_t smem_optin) {
-  return std::max(mlp_forward_smem_bytes(s, v), mlp_backward_smem_bytes(s, v)) <= smem_optin;
+bool fits(const MlpSpec& s, const MlpVariant& v, size_t smem_optin, const MlpOptions& options) {
+  return std::max(mlp_forward_smem_bytes(s, v, options), mlp_backward_smem_bytes(s, v)) <= smem_optin;
 }
 }  // namespace
 
-MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin, bool hopper) {
+MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin, bool hopper, const MlpOptions& options) {
   MlpVariant v;
   // Registers per thread hold a warp's activations: 16 * m_tiles rows x width as fp32 accumulators (width / 2 per
   // 16 rows) plus the previous layer as fp16 fragments (width / 4): two 16-row tiles fit up to width 64.
   v.m_tiles = max_width(spec) <= 64 ? 2 : 1;
   v.warps = v.m_tiles == 2 ? 4 : 8;
-  v.weights_resident = fits(spec, v, smem_optin);
+  v.weights_resident = fits(spec, v, smem_optin, options);
   v.k_chunk = 64;
-  if (!v.weights_resident && !fits(spec, v, smem_optin)) v.k_chunk = 32;
+  if (!v.weights_resident && !fits(spec, v, smem_optin, options)) v.k_chunk = 32;
   if (hopper && !v.weights_resident) {
     // Streamed weights on Hopper: the wgmma forward, whose module compiles in a sixth of the mma.sync one's time
     // (0.9 against 5.3 s at width 256); the tuner may still pick the mma.sync one, 10% faster there (3.0 against
@@ -191,7 +191,7 @@ MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin, bool hopp
     for (int kc : {64, 32}) {
       MlpVariant g{1, 8, false, kc};
       g.wgmma = true;
-      if (fits(spec, g, smem_optin)) return g;
+      if (fits(spec, g, smem_optin, options)) return g;
     }
   }
   // Fused weight gradients wherever they fit: with the CTA as it is, else with 8 warps to share the accumulators
@@ -200,7 +200,7 @@ MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin, bool hopp
     MlpVariant f = v;
     f.m_tiles = m_tiles;
     f.warps = warps;
-    if (mlp_fused_wgrad_fits(spec, f, smem_optin)) {
+    if (mlp_fused_wgrad_fits(spec, f, smem_optin, options)) {
       f.fused_wgrad = true;
       return f;
     }
@@ -208,7 +208,7 @@ MlpVariant mlp_default_variant(const MlpSpec& spec, size_t smem_optin, bool hopp
   return v;
 }
 
-bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_optin) {
+bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_optin, const MlpOptions& options) {
   if (!v.weights_resident) return false;
   // The chain's registers beside the accumulators: with two 16-row tiles per warp, ptxas needs 240 registers at
   // width 48 (ReLU) and spills at 64; one tile leaves room (about 210 at width 64).
@@ -216,11 +216,12 @@ bool mlp_fused_wgrad_fits(const MlpSpec& spec, const MlpVariant& v, size_t smem_
   MlpVariant f = v;
   f.fused_wgrad = true;
   return codegen::mlp_wgrad_plan(spec, f).accumulator_floats <= codegen::kMaxWgradAccumulatorFloats &&
-         fits(spec, f, smem_optin);
+         fits(spec, f, smem_optin, options);
 }
 
-std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin, bool hopper) {
-  std::vector<MlpVariant> out{mlp_default_variant(spec, smem_optin, hopper)};
+std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_optin, bool hopper,
+                                               const MlpOptions& options) {
+  std::vector<MlpVariant> out{mlp_default_variant(spec, smem_optin, hopper, options)};
   for (int mt : {1, 2})
     for (int warps : {4, 8, 16})
       for (int kc : {0, 32, 64}) {
@@ -229,10 +230,10 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
         // 16 warps (128 registers per thread at most): one row tile, resident weights, widths up to 64; more warps
         // per SM hide the latency of the fused backward, which runs one CTA per SM.
         if (warps == 16 && (mt == 2 || kc != 0 || max_width(spec) > 64)) continue;
-        if (!fits(spec, v, smem_optin)) continue;
+        if (!fits(spec, v, smem_optin, options)) continue;
         for (bool fused : {false, true}) {
           v.fused_wgrad = fused;
-          if (fused && !mlp_fused_wgrad_fits(spec, v, smem_optin)) continue;
+          if (fused && !mlp_fused_wgrad_fits(spec, v, smem_optin, options)) continue;
           if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
         }
       }
@@ -246,9 +247,9 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
         if (warps == 16 && (mt == 2 || max_width(spec) > 64)) continue;
         // Two chains hold two layers' accumulators each: past width 64 ptxas spills and serializes the wgmmas.
         if (mt == 2 && max_width(spec) > 64) continue;
-        if (!fits(spec, v, smem_optin)) continue;
+        if (!fits(spec, v, smem_optin, options)) continue;
         out.push_back(v);
-        if (mlp_fused_wgrad_fits(spec, v, smem_optin)) {
+        if (mlp_fused_wgrad_fits(spec, v, smem_optin, options)) {
           v.fused_wgrad = true;
           out.push_back(v);
         }
@@ -256,12 +257,13 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
     // With streamed weights, where they do not all fit: one or two warpgroups per CTA, 32 or 64 columns per chunk.
     MlpVariant resident{1, 8, true, 64};
     resident.wgmma = true;
-    if (!fits(spec, resident, smem_optin))
+    if (!fits(spec, resident, smem_optin, options))
       for (int warps : {8, 4})
         for (int kc : {64, 32}) {
           MlpVariant v{1, warps, false, kc};
           v.wgmma = true;
-          if (fits(spec, v, smem_optin) && std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+          if (fits(spec, v, smem_optin, options) && std::find(out.begin(), out.end(), v) == out.end())
+            out.push_back(v);
         }
   }
   // The training step with recomputed activations: two hidden layers, or all of them.
@@ -273,7 +275,7 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
       MlpVariant v = out[i];
       v.recompute = r;
       if (r < 1 || r > hidden || std::find(out.begin(), out.end(), v) != out.end()) continue;
-      if (recompute_problem(spec, v).empty() && fits(spec, v, smem_optin)) out.push_back(v);
+      if (recompute_problem(spec, v).empty() && fits(spec, v, smem_optin, options)) out.push_back(v);
     }
   }
   if (hopper) {
@@ -284,7 +286,7 @@ std::vector<MlpVariant> mlp_candidate_variants(const MlpSpec& spec, size_t smem_
         v.fused_wgrad = v.wgmma = v.wgmma_backward = true;
         v.recompute = r;
         if (codegen::wgmma_backward_problem(spec, v).empty() && recompute_problem(spec, v).empty() &&
-            fits(spec, v, smem_optin))
+            fits(spec, v, smem_optin, options))
           out.push_back(v);
       }
   }

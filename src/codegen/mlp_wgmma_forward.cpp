@@ -6,7 +6,6 @@
 
 #include "codegen/device/device_code.h"
 #include "codegen/mlp_codegen.h"
-#include "core/dev_overrides.h"
 
 namespace kfuse::codegen {
 
@@ -73,11 +72,13 @@ struct WgmmaForwardWriter {
   const MlpLayout& m;
   const WgmmaForwardLayout w;
   const int L, MT, in_p, stage_ld;
+  const MlpOptions& options;
   const std::string x_copy;
 
-  WgmmaForwardWriter(std::ostringstream& os_, const MlpSpec& s_, const MlpVariant& v_, const MlpLayout& m_)
-      : os(os_), s(s_), v(v_), m(m_), w(wgmma_forward_layout(s_, v_)), L(s_.num_layers()), MT(v_.m_tiles),
-        in_p(s_.layer_in_padded(0)), stage_ld(forward_stage_ld(s_)),
+  WgmmaForwardWriter(std::ostringstream& os_, const MlpSpec& s_, const MlpVariant& v_, const MlpLayout& m_,
+                     const MlpOptions& options_)
+      : os(os_), s(s_), v(v_), m(m_), w(wgmma_forward_layout(s_, v_, options_)), L(s_.num_layers()), MT(v_.m_tiles),
+        in_p(s_.layer_in_padded(0)), stage_ld(forward_stage_ld(s_)), options(options_),
         x_copy("copy_rows_zero_fill<16 * MT, " + std::to_string(s_.input_width) + ", " + std::to_string(in_p) + ", " +
                std::to_string(w.x_tile_ld) + ", 32>(xtile, p.x, ") {}
 
@@ -180,9 +181,9 @@ struct WgmmaForwardWriter {
          << "\n";
     const std::string a = cat("a", l + 1, "_", c);
     // A ReLU feeding the next layer runs on the rounded 16-bit pairs (half the instructions; exact, since rounding
-    // is monotone and keeps 0), unless the training forward stashes its fp32 output. KFUSE_MLP_PACKED_RELU=0 keeps
-    // it in fp32 (the A/B switch).
-    const bool packed_relu = l < L - 1 && mlp_codegen_overrides().packed_relu && act.name == "relu" &&
+    // is monotone and keeps 0), unless the training forward stashes its fp32 output. Without
+    // MlpOptions::packed_relu it stays in fp32 (the A/B alternative).
+    const bool packed_relu = l < L - 1 && options.packed_relu && act.name == "relu" &&
                              act.expression == builtin_activation("relu").expression;
     if (packed_relu) {
       os << "    u32 " << a << "[1][" << n / 16 << "][4];\n";
@@ -214,8 +215,9 @@ struct WgmmaForwardWriter {
 
 }  // namespace
 
-void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m) {
-  WgmmaForwardWriter writer(os, s, v, m);
+void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v, const MlpLayout& m,
+                              const MlpOptions& options) {
+  WgmmaForwardWriter writer(os, s, v, m, options);
   writer.write_prologue();
   writer.write_row_block_start();
   for (int l = 0; l < writer.L; ++l)

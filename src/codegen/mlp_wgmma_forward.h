@@ -25,7 +25,8 @@ void write_wgmma_library(std::ostringstream& os, const std::set<int>& register_a
 
 // `template <bool TRAIN> forward_body(const FwdParams&)` of a wgmma variant (the caller declares FwdParams, the
 // activation functors and the kernels that call it).
-void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& spec, const MlpVariant& v, const MlpLayout& m);
+void write_wgmma_forward_body(std::ostringstream& os, const MlpSpec& spec, const MlpVariant& v, const MlpLayout& m,
+                              const MlpOptions& options);
 // The same with the weights streamed through shared memory in chunks (MlpVariant::wgmma without weights_resident;
 // mlp_layout.h WgmmaStreamLayout): one 64-row chain per warpgroup, every warpgroup multiplying the same chunk.
 void write_wgmma_stream_forward_body(std::ostringstream& os, const MlpSpec& spec, const MlpVariant& v,

@@ -51,8 +51,7 @@ EncoderOptions with_dev_overrides(EncoderOptions o) {
   return o;
 }
 
-MlpCodegenOverrides mlp_codegen_overrides() {
-  MlpCodegenOverrides o;
+MlpOptions with_dev_overrides(MlpOptions o) {
   read_flag("KFUSE_MLP_PACKED_RELU", "ReLU per element", o.packed_relu);
   read_flag("KFUSE_MLP_STAGED_STORES", "direct stores", o.staged_stores);
   read_flag("KFUSE_MLP_MMA_BIAS", "the bias added after the MMA", o.mma_bias);

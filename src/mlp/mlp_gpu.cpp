@@ -19,6 +19,7 @@
 #include "codegen/mlp_layout.h"
 #include "codegen/mlp_wgrad_plan.h"
 #include "codegen/nvrtc_compiler.h"
+#include "core/dev_overrides.h"
 #include "kfuse/device.h"
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
@@ -167,6 +168,7 @@ std::shared_ptr<LoadedKernels> load_module(ModuleBinary& binary, const std::vect
 struct FusedMlp::Impl {
   MlpSpec spec;
   MlpVariant variant;
+  MlpOptions options;  // in effect (the environment's overrides applied)
   int device = 0;
   DeviceInfo dev;
   size_t smem_optin = 0;
@@ -242,12 +244,15 @@ void check_aligned(const void* p, const char* what) {
 }  // namespace
 
 // m_tiles == 0 marks "no variant given": the heuristic default for this device.
-FusedMlp::FusedMlp(const MlpSpec& spec, int device) : FusedMlp(spec, device, MlpVariant{0, 0, true, 0}) {}
+FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpOptions& options)
+    : FusedMlp(spec, device, MlpVariant{0, 0, true, 0}, options) {}
 
-FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) : impl_(std::make_unique<Impl>()) {
+FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant, const MlpOptions& options)
+    : impl_(std::make_unique<Impl>()) {
   spec.validate();
   Impl& m = *impl_;
   m.spec = spec;
+  m.options = with_dev_overrides(options);
   m.device = device;
   m.dev = cuda_device_info(device);  // throws Unsupported without such a device
   KFUSE_CHECK(m.dev.major >= 8, Unsupported, "fused MLPs need compute capability 8.0 or newer; ", m.dev.name,
@@ -258,14 +263,14 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
              "cudaDeviceGetAttribute(shared memory)");
   m.smem_optin = static_cast<size_t>(optin);
   m.variant = variant.m_tiles == 0
-                  ? mlp_default_variant(spec, m.smem_optin, mlp_wgmma_supported(m.dev.major, m.dev.minor))
+                  ? mlp_default_variant(spec, m.smem_optin, mlp_wgmma_supported(m.dev.major, m.dev.minor), m.options)
                   : variant;
   validate_variant(spec, m.variant);  // before anything divides by its fields
   KFUSE_CHECK(!m.variant.wgmma || mlp_wgmma_supported(m.dev.major, m.dev.minor), Unsupported, "MLP variant ",
               m.variant.name(), ": the wgmma forward needs a compute capability 9.0 device (Hopper); ", m.dev.name,
               " has ", m.dev.major, ".", m.dev.minor);
   m.layout = codegen::mlp_layout(spec);
-  m.forward_smem = mlp_forward_smem_bytes(spec, m.variant);
+  m.forward_smem = mlp_forward_smem_bytes(spec, m.variant, m.options);
   m.backward_smem = mlp_backward_smem_bytes(spec, m.variant);
   KFUSE_CHECK(std::max(m.forward_smem, m.backward_smem) <= m.smem_optin, InvalidArgument, "MLP variant ",
               m.variant.name(), " needs ", std::max(m.forward_smem, m.backward_smem),
@@ -287,14 +292,15 @@ FusedMlp::FusedMlp(const MlpSpec& spec, int device, const MlpVariant& variant) :
   }
   // The training module first, on a helper thread: it compiles while this one compiles the forward.
   const std::string training_source =
-      codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kTraining);
+      codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kTraining, m.options);
   const DeviceInfo dev = m.dev;
   const bool training_sm90a = m.variant.wgmma;  // (the wgmma backward needs the wgmma forward)
   m.training_binary = std::async(std::launch::async, [training_source, dev, training_sm90a] {
     return build_binary(training_source, dev, training_sm90a);
   });
-  ModuleBinary fwd = build_binary(codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kForward),
-                                  m.dev, m.variant.wgmma);
+  ModuleBinary fwd = build_binary(
+      codegen::generate_mlp_source(spec, m.variant, codegen::MlpModulePart::kForward, m.options), m.dev,
+      m.variant.wgmma);
   m.forward_kernels = load_module(fwd, {{"kfuse_mlp_forward", m.forward_smem}}, {"kfuse_mlp_pack"},
                                   m.variant.warps * 32, m.variant.name());
   m.info = fwd.info;
@@ -311,6 +317,7 @@ FusedMlp::~FusedMlp() {
 
 const MlpSpec& FusedMlp::spec() const { return impl_->spec; }
 const MlpVariant& FusedMlp::variant() const { return impl_->variant; }
+const MlpOptions& FusedMlp::options() const { return impl_->options; }
 const MlpBuildInfo& FusedMlp::build_info() const { return impl_->info; }
 int FusedMlp::device() const { return impl_->device; }
 

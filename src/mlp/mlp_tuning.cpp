@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "kfuse/error.h"
+#include "core/dev_overrides.h"
 #include "kfuse/mlp.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
@@ -50,6 +51,15 @@ std::vector<MlpVariant> forward_candidates(const std::vector<MlpVariant>& all) {
   return out;
 }
 
+// The options that differ from the defaults, as " packed_relu=0 mma_bias=0" (empty for the defaults).
+std::string options_suffix(const MlpOptions& o) {
+  std::string s;
+  if (!o.packed_relu) s += " packed_relu=0";
+  if (!o.staged_stores) s += " staged_stores=0";
+  if (!o.mma_bias) s += " mma_bias=0";
+  return s;
+}
+
 std::vector<std::string> names_of(const std::vector<MlpVariant>& v) {
   std::vector<std::string> n;
   for (const MlpVariant& x : v) n.push_back(x.name());
@@ -57,7 +67,7 @@ std::vector<std::string> names_of(const std::vector<MlpVariant>& v) {
 }
 
 // The variants this device can run: every candidate (training) and the distinct forward tilings (inference).
-std::vector<MlpVariant> device_candidates(const MlpSpec& spec, int device) {
+std::vector<MlpVariant> device_candidates(const MlpSpec& spec, int device, const MlpOptions& options) {
   int optin = 0, cc_major = 0, cc_minor = 0;
   check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
              "cudaDeviceGetAttribute(shared memory)");
@@ -65,7 +75,8 @@ std::vector<MlpVariant> device_candidates(const MlpSpec& spec, int device) {
              "cudaDeviceGetAttribute(compute capability)");
   check_cuda(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device),
              "cudaDeviceGetAttribute(compute capability)");
-  std::vector<MlpVariant> all = mlp_candidate_variants(spec, size_t(optin), mlp_wgmma_supported(cc_major, cc_minor));
+  std::vector<MlpVariant> all =
+      mlp_candidate_variants(spec, size_t(optin), mlp_wgmma_supported(cc_major, cc_minor), options);
   KFUSE_CHECK(!all.empty(), InvalidArgument, "no kernel variant can run ", spec.to_string());
   return all;
 }
@@ -75,9 +86,9 @@ std::vector<MlpVariant> device_candidates(const MlpSpec& spec, int device) {
 // (fwd_engine_index); a training candidate on its own.
 class MlpTuningSession {
  public:
-  MlpTuningSession(const MlpSpec& spec, int device, int64_t batch)
-      : spec_(spec), device_(device), batch_(batch), dt_(storage(spec.dtype)),
-        all_(device_candidates(spec, device)), fwd_(forward_candidates(all_)), engines_(all_.size()) {
+  MlpTuningSession(const MlpSpec& spec, int device, int64_t batch, const MlpOptions& options)
+      : spec_(spec), device_(device), batch_(batch), dt_(storage(spec.dtype)), options_(options),
+        all_(device_candidates(spec, device, options)), fwd_(forward_candidates(all_)), engines_(all_.size()) {
     for (const MlpVariant& f : fwd_)
       for (size_t i = 0; i < all_.size(); ++i)
         if (forward_tiling(all_[i]) == f) {
@@ -139,7 +150,7 @@ class MlpTuningSession {
   static FusedMlp::Stream as_stream(cudaStream_t s) { return reinterpret_cast<FusedMlp::Stream>(s); }
 
   FusedMlp& engine_at(size_t i) {
-    if (!engines_[i]) engines_[i] = std::make_unique<FusedMlp>(spec_, device_, all_[i]);
+    if (!engines_[i]) engines_[i] = std::make_unique<FusedMlp>(spec_, device_, all_[i], options_);
     return *engines_[i];
   }
 
@@ -188,6 +199,7 @@ class MlpTuningSession {
   const int device_;
   const int64_t batch_;
   const kernels::ConvDType dt_;
+  const MlpOptions options_;
   const std::vector<MlpVariant> all_, fwd_;
   std::vector<size_t> fwd_engine_index_;
   std::vector<std::unique_ptr<FusedMlp>> engines_;
@@ -196,13 +208,16 @@ class MlpTuningSession {
 
 }  // namespace
 
-MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mode, const TunerOptions& options) {
+MlpTuning tune_mlp(const MlpSpec& spec, int device, int64_t batch, TuningMode mode, const TunerOptions& options,
+                   const MlpOptions& mlp_options) {
   spec.validate();
   KFUSE_CHECK(batch >= 1 && batch < (int64_t(1) << 31), InvalidArgument, "MLP tuning batch must be in [1, 2^31), got ",
               batch);
   DeviceGuard guard(device);
-  MlpTuningSession session(spec, device, batch);
-  const std::string shape = spec.to_string() + " batch " + std::to_string(batch);
+  const MlpOptions effective = with_dev_overrides(mlp_options);
+  MlpTuningSession session(spec, device, batch, effective);
+  // Other options time other kernels: their choice is cached apart, and the defaults' key stays what it was.
+  const std::string shape = spec.to_string() + " batch " + std::to_string(batch) + options_suffix(effective);
   const kernels::ConvDType dt = storage(spec.dtype);
   const std::vector<std::string> fwd_names = names_of(session.forward()), train_names = names_of(session.all());
   TuningKey fwd_key = device_tuning_key("mlp_forward", shape, dt, fwd_names);

@@ -41,8 +41,11 @@ TEST_F(DevOverrides, UnsetOrEmptyKeepsTheCallersOptions) {
   EXPECT_FALSE(o.fused_blocks);
   EXPECT_TRUE(o.fused_stem);
   EXPECT_EQ(o.cudnn_fused, 2);
-  const kfuse::MlpCodegenOverrides m = kfuse::mlp_codegen_overrides();
-  EXPECT_TRUE(m.packed_relu && m.staged_stores && m.mma_bias);
+  kfuse::MlpOptions mlp;
+  mlp.staged_stores = false;
+  const kfuse::MlpOptions m = kfuse::with_dev_overrides(mlp);
+  EXPECT_TRUE(m.packed_relu && m.mma_bias);
+  EXPECT_FALSE(m.staged_stores);
 }
 
 TEST_F(DevOverrides, EachVariableOverridesItsField) {
@@ -55,7 +58,7 @@ TEST_F(DevOverrides, EachVariableOverridesItsField) {
   setenv("KFUSE_SE_PROJECTION", "0", 1);
   setenv("KFUSE_WGRAD_BRANCH", "0", 1);
   setenv("KFUSE_CUDNN_FUSED", "all", 1);
-  const EncoderOptions o = kfuse::with_dev_overrides({});
+  const EncoderOptions o = kfuse::with_dev_overrides(EncoderOptions{});
   EXPECT_EQ(o.programmatic_launch, 0);
   EXPECT_FALSE(o.fused_blocks);
   EXPECT_FALSE(o.fused_stem);
@@ -66,8 +69,12 @@ TEST_F(DevOverrides, EachVariableOverridesItsField) {
   EXPECT_FALSE(o.wgrad_branch);
   EXPECT_EQ(o.cudnn_fused, 2);
   for (const auto& v : kMlpVars) setenv(v.c_str(), "0", 1);
-  const kfuse::MlpCodegenOverrides m = kfuse::mlp_codegen_overrides();
+  const kfuse::MlpOptions m = kfuse::with_dev_overrides(kfuse::MlpOptions{});
   EXPECT_FALSE(m.packed_relu || m.staged_stores || m.mma_bias);
+  // 1 turns an option the caller turned off back on.
+  for (const auto& v : kMlpVars) setenv(v.c_str(), "1", 1);
+  const kfuse::MlpOptions on = kfuse::with_dev_overrides(kfuse::MlpOptions{false, false, false});
+  EXPECT_TRUE(on.packed_relu && on.staged_stores && on.mma_bias);
 }
 
 TEST_F(DevOverrides, MalformedValuesNameTheVariable) {
@@ -75,7 +82,7 @@ TEST_F(DevOverrides, MalformedValuesNameTheVariable) {
     clear();
     setenv(v.c_str(), "yes", 1);
     try {
-      kfuse::with_dev_overrides({});
+      kfuse::with_dev_overrides(EncoderOptions{});
       ADD_FAILURE() << v << "=yes was accepted";
     } catch (const kfuse::InvalidArgument& e) {
       EXPECT_NE(std::string(e.what()).find(v), std::string::npos) << e.what();
@@ -85,7 +92,7 @@ TEST_F(DevOverrides, MalformedValuesNameTheVariable) {
   for (const auto& v : kMlpVars) {
     clear();
     setenv(v.c_str(), "2", 1);
-    EXPECT_THROW(kfuse::mlp_codegen_overrides(), kfuse::InvalidArgument) << v;
+    EXPECT_THROW(kfuse::with_dev_overrides(kfuse::MlpOptions{}), kfuse::InvalidArgument) << v;
   }
 }
 

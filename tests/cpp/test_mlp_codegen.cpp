@@ -1,6 +1,6 @@
 // CPU tier of the generated fused MLP: spec validation, the activation table, variant selection (fused weight
-// gradients where their accumulators fit) and the weight-gradient split among warps. The generated source through
-// NVRTC and the disk cache: test_mlp_nvrtc.cpp.
+// gradients where their accumulators fit), the weight-gradient split among warps and the code-path options
+// (MlpOptions). The generated source through NVRTC and the disk cache: test_mlp_nvrtc.cpp.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -19,6 +19,7 @@
 #include "codegen/mlp_wgmma_backward.h"
 #include "codegen/mlp_wgrad_plan.h"
 #include "codegen/nvrtc_compiler.h"
+#include "core/dev_overrides.h"
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
 #include "mlp_test_util.h"
@@ -322,7 +323,7 @@ TEST(MlpVariants, WgmmaNeedsWholeWarpgroupsAndStreamsOneChain) {
   for (const MlpVariant& v : mlp_candidate_variants(w128, 227 * 1024, true))
     EXPECT_LE(mlp_forward_smem_bytes(w128, v), 227u * 1024) << v.name();
   // Its shared memory: unpadded weights with a 16-column bias slice each, then per warp an x tile and a staging area.
-  const codegen::WgmmaForwardLayout w = codegen::wgmma_forward_layout(s, {2, 8, true, 64, false, true});
+  const codegen::WgmmaForwardLayout w = codegen::wgmma_forward_layout(s, {2, 8, true, 64, false, true}, {});
   ASSERT_EQ(w.bias_k, 16);
   EXPECT_EQ(w.weight_offset, (std::vector<int64_t>{0, 64 * 48 * 2, 64 * 48 * 2 + 64 * 80 * 2,
                                                    64 * 48 * 2 + 2 * 64 * 80 * 2, 64 * 48 * 2 + 3 * 64 * 80 * 2}));
@@ -494,6 +495,75 @@ TEST(MlpWgradPlan, EveryBlockHasOneOwnerAndSizesAddUp) {
   // The bench shape: 84 accumulators per thread with 8 warps (ptxas: about 210 registers, no spills).
   EXPECT_EQ(codegen::mlp_wgrad_plan(make_spec(32, {64, 64, 64, 64}, 16), {1, 8, true, 64, true}).accumulator_floats,
             84);
+}
+
+// ---- options -----------------------------------------------------------------------------------------------------
+
+// One option turned off, the others at their defaults.
+MlpOptions without(bool MlpOptions::*field) {
+  MlpOptions o;
+  o.*field = false;
+  return o;
+}
+
+// Each option's kernel (the wgmma forward for packed_relu and mma_bias, the mma.sync training forward's stash for
+// staged_stores): its source with the option off is what the environment override gives (applied when FusedMlp is
+// made) and not the default's; the source writer itself never reads the environment.
+TEST(MlpOptions, EachOptionGivesItsOverridesSource) {
+  const MlpSpec s = make_spec(32, {64, 64, 64}, 16, "relu");
+  MlpVariant wgmma{1, 4, true, 64};
+  wgmma.wgmma = true;
+  const struct {
+    const char* var;
+    bool MlpOptions::*field;
+    MlpVariant variant;
+  } cases[] = {{"KFUSE_MLP_PACKED_RELU", &MlpOptions::packed_relu, wgmma},
+               {"KFUSE_MLP_STAGED_STORES", &MlpOptions::staged_stores, {1, 4, true, 64}},
+               {"KFUSE_MLP_MMA_BIAS", &MlpOptions::mma_bias, wgmma}};
+  for (const auto& c : cases) {
+    for (auto part : {codegen::MlpModulePart::kForward, codegen::MlpModulePart::kTraining}) {
+      const std::string fallback = codegen::generate_mlp_source(s, c.variant, part);
+      const std::string off = codegen::generate_mlp_source(s, c.variant, part, without(c.field));
+      setenv(c.var, "0", 1);
+      const MlpOptions from_env = with_dev_overrides(MlpOptions{});
+      const std::string default_with_env = codegen::generate_mlp_source(s, c.variant, part);
+      unsetenv(c.var);
+      EXPECT_EQ(from_env, without(c.field)) << c.var;
+      EXPECT_EQ(codegen::generate_mlp_source(s, c.variant, part, from_env), off) << c.var;
+      EXPECT_EQ(default_with_env, fallback) << c.var << ": the source writer read the environment";
+      EXPECT_NE(off, fallback) << c.var;
+    }
+  }
+  EXPECT_EQ(codegen::generate_mlp_source(s, wgmma, codegen::MlpModulePart::kAll, MlpOptions{}),
+            codegen::generate_mlp_source(s, wgmma));
+}
+
+// The bias slice is part of the wgmma forward's shared memory, hence of which variants fit.
+TEST(MlpOptions, MmaBiasSizesTheWgmmaForward) {
+  const MlpSpec s = make_spec(32, {128, 128, 128}, 16);
+  MlpVariant v{1, 8, true, 64};
+  v.wgmma = true;
+  const MlpOptions no_bias_k = without(&MlpOptions::mma_bias);
+  // One 16-column slice per layer: (128 + 128 + 128 + 16) rows x 16 halves.
+  EXPECT_EQ(mlp_forward_smem_bytes(s, v) - mlp_forward_smem_bytes(s, v, no_bias_k), size_t(400 * 16 * 2));
+  EXPECT_EQ(mlp_forward_smem_bytes(s, v), mlp_forward_smem_bytes(s, v, MlpOptions{}));
+  const size_t optin = mlp_forward_smem_bytes(s, v) - 1;  // fits only without the bias slices
+  const auto has = [&](const std::vector<MlpVariant>& c) { return std::find(c.begin(), c.end(), v) != c.end(); };
+  EXPECT_FALSE(has(mlp_candidate_variants(s, optin, true)));
+  EXPECT_TRUE(has(mlp_candidate_variants(s, optin, true, no_bias_k)));
+}
+
+// The environment still overrides what the caller chose, both ways.
+TEST(MlpOptions, EnvironmentOverridesApplyOnTop) {
+  setenv("KFUSE_MLP_MMA_BIAS", "0", 1);
+  setenv("KFUSE_MLP_PACKED_RELU", "1", 1);
+  const MlpOptions o = with_dev_overrides(without(&MlpOptions::packed_relu));
+  unsetenv("KFUSE_MLP_MMA_BIAS");
+  unsetenv("KFUSE_MLP_PACKED_RELU");
+  EXPECT_TRUE(o.packed_relu);
+  EXPECT_TRUE(o.staged_stores);
+  EXPECT_FALSE(o.mma_bias);
+  EXPECT_EQ(with_dev_overrides(without(&MlpOptions::staged_stores)), without(&MlpOptions::staged_stores));
 }
 
 }  // namespace

@@ -37,6 +37,7 @@ struct CompileCase {
   MlpSpec spec;
   MlpVariant variant;
   std::string arch;
+  MlpOptions options = {};
 };
 
 std::vector<CompileCase> compile_cases() {
@@ -131,6 +132,12 @@ std::vector<CompileCase> compile_cases() {
   ext_tanh.bias = {true, false, true, true};
   cases.push_back({"wgmma_backward_external_tanh_bf16_sm90a", ext_tanh, {1, 8, true, 64, true, true, 3, true},
                    "compute_90a"});
+  // Every option's alternative path (MlpOptions): the wgmma forward with ReLU on fp32 and the bias loaded into the
+  // accumulators, and the mma.sync training forward storing its stash without the staging area.
+  cases.push_back({"options_off_wgmma_w64_sm90a", make_spec(32, {64, 64, 64, 64}, 16), {2, 8, true, 64, false, true},
+                   "compute_90a", MlpOptions{false, false, false}});
+  cases.push_back({"options_off_w64_sm80", make_spec(32, {64, 64, 64, 64}, 16), {2, 4, true, 64}, "compute_80",
+                   MlpOptions{false, false, false}});
   return cases;
 }
 
@@ -138,8 +145,9 @@ class MlpSourceCompiles : public ::testing::TestWithParam<size_t> {};
 
 TEST_P(MlpSourceCompiles, WithNvrtc) {
   const CompileCase c = compile_cases()[GetParam()];
-  const std::string src = codegen::generate_mlp_source(c.spec, c.variant);
-  EXPECT_EQ(src, codegen::generate_mlp_source(c.spec, c.variant)) << "generation must be deterministic";
+  const std::string src = codegen::generate_mlp_source(c.spec, c.variant, codegen::MlpModulePart::kAll, c.options);
+  EXPECT_EQ(src, codegen::generate_mlp_source(c.spec, c.variant, codegen::MlpModulePart::kAll, c.options))
+      << "generation must be deterministic";
   codegen::CompiledProgram p;
   ASSERT_NO_THROW(p = codegen::nvrtc_compile(src, c.label + ".cu", c.arch)) << c.label;
   EXPECT_GT(p.binary.size(), 1000u);

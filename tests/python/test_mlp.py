@@ -1,6 +1,7 @@
 """kfuse.FusedMLP, CPU tier: construction and from_torch validation, the plain-PyTorch CPU path, activations, the
 CUDA path's autograd plumbing with a stand-in engine."""
 
+import copy
 import ctypes
 
 import pytest
@@ -72,6 +73,15 @@ def test_constructor_errors_name_the_problem(kwargs, message):
     with pytest.raises(ValueError) as e:
         FusedMLP(32, 16, **kwargs)
     assert message in str(e.value)
+
+
+def test_options_fill_in_defaults_and_name_unknown_fields():
+    assert FusedMLP(8, 4, [16]).options == {"packed_relu": True, "staged_stores": True, "mma_bias": True}
+    m = FusedMLP(8, 4, [16], options={"mma_bias": False})
+    assert m.options == {"packed_relu": True, "staged_stores": True, "mma_bias": False}
+    assert copy.deepcopy(m).options == m.options
+    with pytest.raises(ValueError, match="unknown MLP option 'packed_gelu'.*packed_relu, staged_stores, mma_bias"):
+        FusedMLP(8, 4, [16], options={"packed_gelu": False})
 
 
 def test_io_width_limits():
