@@ -44,18 +44,20 @@ BlockStep EncoderGpu::Impl::plan_block(const Geometry& g, const Activations& act
   // The training forward's fused block writes the backward's stash (h where kept, h2, conv2's raw output).
   if (wgmma_block_applies(i, h, w) && (!act.training || act.conv2_raw)) {
     s.route = BlockRoute::kFusedBlockWgmma;
-  } else if (!act.training && fused_block_applies(i, h, w)) {
-    s.route = BlockRoute::kFusedBlock;
-  } else if (!act.training && down_block_applies(i, h, w)) {
-    return s.route = BlockRoute::kFusedDownBlock, s;
-  } else {
-    s.shortcut_side_branch = blocks[i].has_downsample;
-    s.conv1_cudnn_graph = i < act.h.size() && act.h[i] != nullptr;
-    s.conv2_squeeze_projection =
-        !act.training && squeeze_projection_for(i, problems(blocks[i], g.n, h, w)[1]) != nullptr;
+    s.with_stem = i == 0 && stem_fused;  // (stem_in_block holds only where block 1's wgmma kernel applies)
     return s;
   }
-  s.with_stem = i == 0 && stem_fused;
+  if (!act.training && fused_block_applies(i, h, w)) {
+    s.route = BlockRoute::kFusedBlock;
+    return s;
+  }
+  if (!act.training && down_block_applies(i, h, w)) {
+    s.route = BlockRoute::kFusedDownBlock;
+    return s;
+  }
+  s.shortcut_side_branch = blocks[i].has_downsample;
+  s.conv1_cudnn_graph = i < act.h.size() && act.h[i] != nullptr;
+  s.conv2_squeeze_projection = !act.training && squeeze_projection_for(i, problems(blocks[i], g.n, h, w)[1]) != nullptr;
   return s;
 }
 
