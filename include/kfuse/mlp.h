@@ -115,7 +115,7 @@ struct MlpVariant {
   // successors' weight gradients inside the kernel (the mma.sync backward; the wgmma backward stores a recomputed
   // input of an external weight gradient itself), and activations whose derivative needs no pre-activation.
   int recompute = 0;
-  // The backward on Hopper warpgroup MMAs too (sm_90a; codegen/mlp_wgmma_backward.h): each warpgroup recomputes
+  // The backward on Hopper warpgroup MMAs too (sm_90a; mlp/codegen/mlp_wgmma_backward.h): each warpgroup recomputes
   // its 64 rows' first `recompute` hidden outputs (the others come from the stash) into shared memory, runs the
   // activation-gradient chain as wgmma, and accumulates the weight gradients as wgmma over its rows (both operands
   // from shared memory), overlapped with the chain. Where they do not all fit its registers, the widest layers'

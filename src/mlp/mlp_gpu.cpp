@@ -1,7 +1,7 @@
 // FusedMlp: one spec's generated kernels on one device, and the calls that run them. The kernels come from, in
 // order: this process's module registry (same source and device: shared), the disk cache, NVRTC. Weight gradients:
 // with a fused_wgrad variant the backward kernel accumulates them per CTA and a reduction kernel sums the CTAs'
-// partials (codegen/mlp_wgrad_plan.h); otherwise cuBLAS GEMMs over the activation gradients the backward kernel
+// partials (mlp/codegen/mlp_wgrad_plan.h); otherwise cuBLAS GEMMs over the activation gradients the backward kernel
 // writes (dW_l = dz_l^T h_{l-1}, db_l = dz_l^T 1).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -13,12 +13,12 @@
 #include <map>
 #include <mutex>
 
-#include "codegen/driver_api.h"
-#include "codegen/kernel_cache.h"
-#include "codegen/mlp_codegen.h"
-#include "codegen/mlp_layout.h"
-#include "codegen/mlp_wgrad_plan.h"
-#include "codegen/nvrtc_compiler.h"
+#include "mlp/codegen/driver_api.h"
+#include "mlp/codegen/kernel_cache.h"
+#include "mlp/codegen/mlp_codegen.h"
+#include "mlp/codegen/mlp_layout.h"
+#include "mlp/codegen/mlp_wgrad_plan.h"
+#include "mlp/codegen/nvrtc_compiler.h"
 #include "core/dev_overrides.h"
 #include "kfuse/device.h"
 #include "kfuse/error.h"

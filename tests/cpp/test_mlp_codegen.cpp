@@ -13,12 +13,12 @@
 #include <utility>
 #include <vector>
 
-#include "codegen/kernel_cache.h"
-#include "codegen/mlp_codegen.h"
-#include "codegen/mlp_layout.h"
-#include "codegen/mlp_wgmma_backward.h"
-#include "codegen/mlp_wgrad_plan.h"
-#include "codegen/nvrtc_compiler.h"
+#include "mlp/codegen/kernel_cache.h"
+#include "mlp/codegen/mlp_codegen.h"
+#include "mlp/codegen/mlp_layout.h"
+#include "mlp/codegen/mlp_wgmma_backward.h"
+#include "mlp/codegen/mlp_wgrad_plan.h"
+#include "mlp/codegen/nvrtc_compiler.h"
 #include "core/dev_overrides.h"
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"

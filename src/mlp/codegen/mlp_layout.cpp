@@ -1,4 +1,4 @@
-#include "codegen/mlp_layout.h"
+#include "mlp/codegen/mlp_layout.h"
 
 #include <algorithm>
 #include <string>

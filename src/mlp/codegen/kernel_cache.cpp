@@ -1,4 +1,4 @@
-#include "codegen/kernel_cache.h"
+#include "mlp/codegen/kernel_cache.h"
 
 #include <unistd.h>
 

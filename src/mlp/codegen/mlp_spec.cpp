@@ -4,9 +4,9 @@
 #include <sstream>
 #include <utility>
 
-#include "codegen/mlp_layout.h"
-#include "codegen/mlp_wgmma_backward.h"
-#include "codegen/mlp_wgrad_plan.h"
+#include "mlp/codegen/mlp_layout.h"
+#include "mlp/codegen/mlp_wgmma_backward.h"
+#include "mlp/codegen/mlp_wgrad_plan.h"
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
 

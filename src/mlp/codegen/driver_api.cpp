@@ -1,4 +1,4 @@
-#include "codegen/driver_api.h"
+#include "mlp/codegen/driver_api.h"
 
 #include <cuda_runtime.h>
 

@@ -7,8 +7,8 @@
 // g + 8, columns 2q and 2q + 1. A operand of a 16x16 tile: regs {row g, k 2q..}, {row g+8, k 2q..},
 // {row g, k 2q+8..}, {row g+8, k 2q+8..}. Two adjacent 16x8 accumulator tiles are therefore exactly one A tile
 // (to_a): a layer's output feeds the next layer without leaving the registers.
-#include "codegen/device/device_code.h"
-#include "codegen/mlp_codegen.h"
+#include "mlp/codegen/device/device_code.h"
+#include "mlp/codegen/mlp_codegen.h"
 
 namespace kfuse::codegen {
 

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "codegen/mlp_codegen.h"
-#include "codegen/mlp_layout.h"
-#include "codegen/mlp_wgmma_forward.h"
+#include "mlp/codegen/mlp_codegen.h"
+#include "mlp/codegen/mlp_layout.h"
+#include "mlp/codegen/mlp_wgmma_forward.h"
 
 namespace kfuse::codegen {
 

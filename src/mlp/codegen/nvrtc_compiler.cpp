@@ -1,4 +1,4 @@
-#include "codegen/nvrtc_compiler.h"
+#include "mlp/codegen/nvrtc_compiler.h"
 
 #include <nvrtc.h>
 

@@ -1,11 +1,11 @@
-#include "codegen/mlp_wgmma_forward.h"
+#include "mlp/codegen/mlp_wgmma_forward.h"
 
 #include <cstdlib>
 #include <set>
 #include <string>
 
-#include "codegen/device/device_code.h"
-#include "codegen/mlp_codegen.h"
+#include "mlp/codegen/device/device_code.h"
+#include "mlp/codegen/mlp_codegen.h"
 
 namespace kfuse::codegen {
 

@@ -10,7 +10,7 @@
 #include <set>
 #include <sstream>
 
-#include "codegen/mlp_layout.h"
+#include "mlp/codegen/mlp_layout.h"
 #include "kfuse/mlp.h"
 
 namespace kfuse::codegen {

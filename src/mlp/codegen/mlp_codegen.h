@@ -4,11 +4,11 @@
 //   kfuse_mlp_backward / kfuse_mlp_backward_dx(BwdParams)    the activation-gradient chain (and dL/dx for the _dx
 //       one). Without fused_wgrad they store every layer's dz (the runtime's cuBLAS GEMMs make the weight and bias
 //       gradients from it); with fused_wgrad they accumulate the bias gradients and the weight gradients whose
-//       accumulators fit (codegen/mlp_wgrad_plan.h), each CTA writes its partial gradient vector, and they store dz
+//       accumulators fit (mlp/codegen/mlp_wgrad_plan.h), each CTA writes its partial gradient vector, and they store dz
 //       only for the layers whose weight gradient cuBLAS makes;
 //   kfuse_mlp_wgrad_reduce(ReduceParams)           fused_wgrad only: sums the CTAs' partials into the gradients
 //       (256 threads, ceil(num_parameters / 32) CTAs, no dynamic shared memory).
-// A wgmma_backward variant's two backward kernels come from codegen/mlp_wgmma_backward.h instead (same parameters,
+// A wgmma_backward variant's two backward kernels come from mlp/codegen/mlp_wgmma_backward.h instead (same parameters,
 // every gradient inside, partials in the same layout).
 // Parameter structs (by value, in this order; pointers are device pointers, i64 = long long):
 //   PackParams   { const u16* w[kMaxLayers]; const u16* b[kMaxLayers]; u16* out; float* bias_out; }
@@ -17,7 +17,7 @@
 //                  float* partials; i64 batch; i64 num_blocks; }   (x, partials: fused_wgrad only)
 //   ReduceParams { const float* partials; void* grads; int slices; int grads_16bit; }   (slices: the backward's
 //                  grid size; grads_16bit: the gradients in the spec's dtype, else float32)
-// FwdParams.w points at the packed forward region, BwdParams.w at the backward region (codegen/mlp_layout.h), of
+// FwdParams.w points at the packed forward region, BwdParams.w at the backward region (mlp/codegen/mlp_layout.h), of
 // the whole packed buffer: a backward with recomputed activations (MlpVariant::recompute) also reads the forward
 // region before it and the biases after it.
 // Every forward and backward kernel runs warps * 32 threads per CTA with the variant's dynamic shared memory and

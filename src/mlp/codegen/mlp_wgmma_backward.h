@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "codegen/mlp_layout.h"
-#include "codegen/mlp_wgrad_plan.h"
+#include "mlp/codegen/mlp_layout.h"
+#include "mlp/codegen/mlp_wgrad_plan.h"
 #include "kfuse/mlp.h"
 
 namespace kfuse::codegen {

@@ -1,4 +1,4 @@
-// The device code that generated modules hold verbatim, kept as real CUDA source in src/codegen/device/*.cuh and
+// The device code that generated modules hold verbatim, kept as real CUDA source in src/mlp/codegen/device/*.cuh and
 // compiled into the library as string constants (sources.cmake writes their definitions from device_code.cpp.in):
 // readable and editable as code, and nothing to find on disk at run time. The files need the definitions of the
 // texts before them (u32, cp_async16, ...), so they compile only inside a module.

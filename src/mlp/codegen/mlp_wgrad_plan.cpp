@@ -1,10 +1,10 @@
-#include "codegen/mlp_wgrad_plan.h"
+#include "mlp/codegen/mlp_wgrad_plan.h"
 
 #include <algorithm>
 #include <tuple>
 
-#include "codegen/mlp_layout.h"
-#include "codegen/mlp_wgmma_backward.h"
+#include "mlp/codegen/mlp_layout.h"
+#include "mlp/codegen/mlp_wgmma_backward.h"
 
 namespace kfuse::codegen {
 namespace {
@@ -61,7 +61,7 @@ WgradPlan mlp_wgrad_plan(const MlpSpec& s, const MlpVariant& v) {
   }
   p.grad_floats = grad;
   p.partial_stride_floats = (grad + 31) / 32 * 32;
-  // The wgmma backward (codegen/mlp_wgmma_backward.h) has its own budget, shared memory and choice of external
+  // The wgmma backward (mlp/codegen/mlp_wgmma_backward.h) has its own budget, shared memory and choice of external
   // layers: only the gradient vector's layout above and which weight gradients are outside apply to it.
   if (v.wgmma_backward) {
     p.recompute = std::clamp(v.recompute, 0, L - 1);

@@ -14,11 +14,11 @@
 #include <set>
 #include <sstream>
 
-#include "codegen/mlp_codegen.h"
-#include "codegen/mlp_layout.h"
-#include "codegen/mlp_wgmma_backward.h"
-#include "codegen/mlp_wgmma_forward.h"
-#include "codegen/mlp_wgrad_plan.h"
+#include "mlp/codegen/mlp_codegen.h"
+#include "mlp/codegen/mlp_layout.h"
+#include "mlp/codegen/mlp_wgmma_backward.h"
+#include "mlp/codegen/mlp_wgmma_forward.h"
+#include "mlp/codegen/mlp_wgrad_plan.h"
 #include "kfuse/error.h"
 
 namespace kfuse::codegen {
@@ -218,7 +218,7 @@ void write_forward(std::ostringstream& os, const MlpSpec& s, const MlpVariant& v
   write_forward_kernels(os, kernels);
 }
 
-// The fused weight gradients (MlpVariant::fused_wgrad, codegen/mlp_wgrad_plan.h): what the backward kernel adds
+// The fused weight gradients (MlpVariant::fused_wgrad, mlp/codegen/mlp_wgrad_plan.h): what the backward kernel adds
 // around its activation-gradient chain. Shared-memory tiles alternate by layer (`par`), so one barrier per layer
 // both publishes a layer's tiles and frees the ones the layer before last read.
 class WgradWriter {

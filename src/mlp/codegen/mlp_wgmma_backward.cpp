@@ -1,8 +1,8 @@
-#include "codegen/mlp_wgmma_backward.h"
+#include "mlp/codegen/mlp_wgmma_backward.h"
 
 #include <algorithm>
 
-#include "codegen/mlp_codegen.h"
+#include "mlp/codegen/mlp_codegen.h"
 
 namespace kfuse::codegen {
 namespace {

@@ -3,8 +3,8 @@
 #include "kfuse/error.h"
 #include "kfuse/mlp.h"
 #if KFUSE_WITH_CUDA
-#include "codegen/mlp_codegen.h"
-#include "codegen/nvrtc_compiler.h"
+#include "mlp/codegen/mlp_codegen.h"
+#include "mlp/codegen/nvrtc_compiler.h"
 #endif
 
 namespace kfuse {
