@@ -9,7 +9,6 @@ weights after the run, with a floor of 1e-3 relative for losses (two fp16 roundi
 1e-3 for the weights (the Adam steps of a few iterations, each ~lr = 5e-4 per element, rounded to fp16)."""
 
 import pytest
-import torch
 
 import kfuse
 from kfuse.bench_rl import agreement
