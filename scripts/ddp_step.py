@@ -1,8 +1,11 @@
 """The encoder's training step (batch 2048 per GPU, fp16, forward + backward) alone and under DistributedDataParallel
 over several GPUs (one process per GPU, NCCL, NVLink multicast off), same run: what the all-reduce adds to the step
 when kfuse's gradients reach DDP, with DDP's defaults and with gradient_as_bucket_view=True (the gradients are views
-of DDP's buckets: no copy of each gradient into its bucket and back). Usage (GPU machine with >= 2 GPUs):
-    bash scripts/gpu_run.sh --exec "python3 scripts/ddp_step.py [gpus=2] [impl=kfuse|torch-compile]"
+of DDP's buckets: no copy of each gradient into its bucket and back). With --timeline, rank 0 of each configuration
+then prints one step's device timeline (torch.profiler): the step's span, the device's busy time, every idle gap,
+the kernels per stream and when the all-reduce ran against the backward's last kernel.
+Usage (GPU machine with >= 2 GPUs):
+    bash scripts/gpu_run.sh --exec "python3 scripts/ddp_step.py [gpus=2] [impl=kfuse|torch-compile] [--timeline]"
 """
 import statistics
 import sys
@@ -17,6 +20,44 @@ from kfuse import reference
 from kfuse.bench_rl import nvlink_multicast_off
 
 BATCH, STEPS, ROUNDS = 2048, 20, 5
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: marks where each profiled step starts on the device
+
+
+def _device_events(prof) -> list:
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def print_step_timeline(prof, label: str) -> None:
+    """The device's work between the last two markers (one whole step, the host running ahead as in the timing):
+    span, busy time, gaps >= 5 us, then each kernel >= 3 us (start offset, duration, stream, name)."""
+    events = _device_events(prof)
+    marks = [i for i, e in enumerate(events) if MARKER in e.name]
+    if len(marks) < 2:
+        print(f"[timeline] {label}: fewer than two step markers seen")
+        return
+    step = events[marks[-2] + 1:marks[-1]]
+    t0 = step[0].time_range.start
+    busy, end, gaps = 0.0, t0, []
+    for e in step:
+        a, b = e.time_range.start, e.time_range.end
+        if a - end >= 5:
+            gaps.append((end - t0, a - end))
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    print(f"[timeline] {label}: one step spans {end - t0:.1f} us on the device, busy {busy:.1f} us, "
+          f"{len(step)} kernels/copies; gaps >= 5 us (at, length): "
+          + ", ".join(f"{at:.0f}+{g:.0f}" for at, g in gaps))
+    small = 0
+    for e in step:
+        dur = e.time_range.end - e.time_range.start
+        if dur < 3 and "nccl" not in e.name.lower():
+            small += 1
+            continue
+        stream = getattr(e, "device_resource_id", "?")
+        print(f"  {e.time_range.start - t0:8.1f} {dur:7.1f} us  s{stream:<4} {e.name[:90]}")
+    print(f"  (+{small} kernels shorter than 3 us)")
 
 
 def _encoder(impl: str, device):
@@ -26,7 +67,8 @@ def _encoder(impl: str, device):
     return torch.compile(enc) if impl == "torch-compile" else enc
 
 
-def _worker(rank: int, world: int, impl: str, store: str, out: str, bucket_view: bool = False) -> None:
+def _worker(rank: int, world: int, impl: str, store: str, out: str, bucket_view: bool = False,
+            timeline: str = "") -> None:
     nvlink_multicast_off()
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -65,19 +107,33 @@ def _worker(rank: int, world: int, impl: str, store: str, out: str, bucket_view:
             ms = [statistics.median(times)]
         if rank == 0:
             torch.save(ms, out)
+        if timeline:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(4):
+                    torch.cuda._sleep(100)
+                    step()
+                torch.cuda._sleep(100)
+                torch.cuda.synchronize()
+            if rank == 0:
+                print_step_timeline(prof, timeline)
     finally:
         if world > 1:
             dist.destroy_process_group()
 
 
 def main():
-    gpus = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    impl = sys.argv[2] if len(sys.argv) > 2 else "kfuse"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    timeline = "--timeline" in sys.argv[1:]
+    gpus = int(args[0]) if args else 2
+    impl = args[1] if len(args) > 1 else "kfuse"
     result = {}
     for label, world, view in (("1 GPU", 1, False), (f"{gpus} GPUs (DDP)", gpus, False),
                                (f"{gpus} GPUs (DDP, gradient_as_bucket_view)", gpus, True)):
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_worker, args=(world, impl, f"{tmp}/store", f"{tmp}/out.pt", view), nprocs=world)
+            mp.spawn(_worker, args=(world, impl, f"{tmp}/store", f"{tmp}/out.pt", view, label if timeline else ""),
+                     nprocs=world)
             result[label] = max(torch.load(f"{tmp}/out.pt"))
     one = result["1 GPU"]
     print(f"[ddp step] {torch.cuda.get_device_name()}, {impl}, batch {BATCH} per GPU: " + ", ".join(
