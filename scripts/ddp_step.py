@@ -67,6 +67,24 @@ def _encoder(impl: str, device):
     return torch.compile(enc) if impl == "torch-compile" else enc
 
 
+def _allreduce_alone(numel: int, device) -> float:
+    """Median ms of one NCCL all-reduce of `numel` fp16 values (the gradients' size), nothing else running."""
+    buf = torch.randn(numel, device=device).half()
+    for _ in range(3):
+        dist.all_reduce(buf)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        torch.cuda.synchronize()
+        start.record()
+        dist.all_reduce(buf)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def _worker(rank: int, world: int, impl: str, store: str, out: str, bucket_view: bool = False,
             timeline: str = "") -> None:
     nvlink_multicast_off()
@@ -102,6 +120,10 @@ def _worker(rank: int, world: int, impl: str, store: str, out: str, bucket_view:
             times.append(start.elapsed_time(end) / STEPS)
         ms = [None] * world
         if world > 1:
+            allreduce_ms = _allreduce_alone(sum(p.numel() for p in enc.parameters()), device)
+            if rank == 0:
+                print(f"[ddp step] all-reduce of the gradients alone ({sum(p.numel() for p in enc.parameters())} fp16): "
+                      f"{allreduce_ms * 1e3:.1f} us", flush=True)
             dist.all_gather_object(ms, statistics.median(times))
         else:
             ms = [statistics.median(times)]
