@@ -1,7 +1,8 @@
 """The encoder's training step (batch 2048 per GPU, fp16, forward + backward) alone and under DistributedDataParallel
 over several GPUs (one process per GPU, NCCL, NVLink multicast off), same run: what the all-reduce adds to the step
-when kfuse's gradients reach DDP, with DDP's defaults and with gradient_as_bucket_view=True (the gradients are views
-of DDP's buckets: no copy of each gradient into its bucket and back). With --timeline, rank 0 of each configuration
+when kfuse's gradients reach DDP, with DDP's defaults, with gradient_as_bucket_view=True (the gradients are views
+of DDP's buckets: no copy of each gradient into its bucket and back) and, for kfuse, with each block's gradients
+released as its backward finishes (gradient_release="per_block", 2 MB buckets: the all-reduce overlaps the backward). With --timeline, rank 0 of each configuration
 then prints one step's device timeline (torch.profiler): the step's span, the device's busy time, every idle gap,
 the kernels per stream and when the all-reduce ran against the backward's last kernel.
 Usage (GPU machine with >= 2 GPUs):
@@ -60,9 +61,11 @@ def print_step_timeline(prof, label: str) -> None:
     print(f"  (+{small} kernels shorter than 3 us)")
 
 
-def _encoder(impl: str, device):
+def _encoder(impl: str, device, release: str = "at_end"):
     if impl == "kfuse":
-        return kfuse.ResNetEncoder.default_network(3).to(device, torch.float16).train()
+        enc = kfuse.ResNetEncoder.default_network(3).to(device, torch.float16).train()
+        enc.gradient_release = release
+        return enc
     enc = reference.ResNetEncoder(3).to(device, torch.float16).to(memory_format=torch.channels_last).train()
     return torch.compile(enc) if impl == "torch-compile" else enc
 
@@ -85,19 +88,18 @@ def _allreduce_alone(numel: int, device) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, world: int, impl: str, store: str, out: str, bucket_view: bool = False,
-            timeline: str = "") -> None:
+def _worker(rank: int, world: int, impl: str, store: str, out: str, ddp_args: dict | None = None,
+            release: str = "at_end", timeline: str = "") -> None:
     nvlink_multicast_off()
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     if world > 1:
         dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world, device_id=device)
     try:
-        enc = _encoder(impl, device)
+        enc = _encoder(impl, device, release)
         model = enc
         if world > 1:
-            model = torch.nn.parallel.DistributedDataParallel(enc, device_ids=[rank],
-                                                              gradient_as_bucket_view=bucket_view)
+            model = torch.nn.parallel.DistributedDataParallel(enc, device_ids=[rank], **(ddp_args or {}))
         x = torch.rand(BATCH, 3, 64, 64, device=device).half()
         dy = torch.randn(BATCH, 512, 2, 2, device=device).half()
 
@@ -151,11 +153,16 @@ def main():
     gpus = int(args[0]) if args else 2
     impl = args[1] if len(args) > 1 else "kfuse"
     result = {}
-    for label, world, view in (("1 GPU", 1, False), (f"{gpus} GPUs (DDP)", gpus, False),
-                               (f"{gpus} GPUs (DDP, gradient_as_bucket_view)", gpus, True)):
+    views = {"gradient_as_bucket_view": True}
+    configs = [("1 GPU", 1, None, "at_end"), (f"{gpus} GPUs (DDP)", gpus, {}, "at_end"),
+               (f"{gpus} GPUs (DDP, gradient_as_bucket_view)", gpus, views, "at_end")]
+    if impl == "kfuse":
+        configs.append((f"{gpus} GPUs (DDP, bucket views, 2 MB buckets, per-block release)", gpus,
+                        dict(views, bucket_cap_mb=2), "per_block"))
+    for label, world, ddp_args, release in configs:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_worker, args=(world, impl, f"{tmp}/store", f"{tmp}/out.pt", view, label if timeline else ""),
-                     nprocs=world)
+            mp.spawn(_worker, args=(world, impl, f"{tmp}/store", f"{tmp}/out.pt", ddp_args, release,
+                                    label if timeline else ""), nprocs=world)
             result[label] = max(torch.load(f"{tmp}/out.pt"))
     one = result["1 GPU"]
     print(f"[ddp step] {torch.cuda.get_device_name()}, {impl}, batch {BATCH} per GPU: " + ", ".join(

@@ -37,6 +37,13 @@ struct EncoderConfig {
   // Every parameter in bps-nav's state_dict order.
   std::vector<ParamSpec> parameter_specs() const;
   int64_t num_parameters() const;
+  // The CUDA training backward's stages (EncoderGpu::backward_stage): stage s < blocks().size() is the backward of
+  // block blocks().size() - 1 - s, the last stage the stem's. Per parameter (parameter_specs order), the stage after
+  // which its gradient is final: its block's, except fixup_bias1a (the sum of d(the block's input)), which the stage
+  // after the block's completes: the previous block's squeeze-excite backward where the block has a shortcut conv,
+  // the stem's for the first block.
+  int backward_stages() const;
+  std::vector<int> backward_stage_of_parameters() const;
   int out_channels() const;
   // H and W must be multiples of this (4 for the stem times 2 per strided stage: 32 for four stages).
   int spatial_divisor() const;

@@ -91,6 +91,15 @@ class EncoderGpu {
   // and, when dx is given, dL/dx (contiguous NCHW of x's dtype: F32, F16 or BF16). Asynchronous on `stream`.
   void backward(uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy, float* grads,
                 const DeviceTensorView* dx, cudaStream_t stream);
+  // The same backward in stages, for callers that hand gradients on as soon as they are final (data-parallel
+  // training: the all-reduce of the last blocks' gradients then overlaps the earlier blocks' backward). Stage s in
+  // [0, backward_stages() - 1) runs the backward of block blocks - 1 - s, the last stage the stem's. Run every stage
+  // in order, 0 first, on one stream, each with backward()'s arguments; after stage s, parameter i's gradient in
+  // `grads` is final where backward_stage_of_parameters()[i] <= s. The gradients equal backward()'s.
+  int backward_stages() const;
+  std::vector<int> backward_stage_of_parameters() const;
+  void backward_stage(int stage, uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy, float* grads,
+                      const DeviceTensorView* dx, cudaStream_t stream);
 
   // CUDA graphs (default on). Inference: one per input geometry (N, H, W, input dtype and strides, output dtype),
   // run eagerly on its first call and captured on the second, the caller's pointers patched on replay. Training:

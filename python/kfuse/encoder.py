@@ -85,6 +85,93 @@ class _CudaTrainFunction(torch.autograd.Function):
         return (None, None, None, dx, *out)
 
 
+class _StagedStep:
+    """What one training step's staged backward shares between its nodes (one _CudaTrainStage per backward stage):
+    the forward's stash and tensors, then, from the first stage's backward on, dL/dy, the flat float32 gradient
+    buffer the stages write and dL/dx."""
+
+    def __init__(self, module, entry, stash, y, x, params, groups):
+        self.module, self.entry, self.stash, self.x, self.params, self.groups = module, entry, stash, x, params, groups
+        self.y, self.out_shape, self.out_dtype = y, y.shape, y.dtype
+        self.need_dx = x.requires_grad
+        self.dy = self.grads = self.dx = None
+
+    def begin(self, dy: torch.Tensor) -> None:
+        """Before the first stage: the buffers, and the forward again if another one replaced its stash."""
+        gpu, x = self.entry[0], self.x
+        self.stream = _cuda_stream(x.device)
+        if self.module._bind(self.entry, self.params) or not gpu.stash_valid(self.stash):
+            y = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
+            ResNetEncoder._stage(self.entry)
+            self.stash = gpu.forward_train(x, y, self.stream)
+        self.dy = dy.to(self.out_dtype).contiguous()
+        self.grads = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32, device=x.device)
+        self.dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if self.need_dx else None
+
+    def run(self, stage: int) -> None:
+        self.entry[0].backward_stage(stage, self.stash, self.x, self.dy, self.grads, self.dx, self.stream)
+
+    def released(self, stage: int, needed) -> list:
+        """The gradients stage `stage` finalized, as its node's outputs: views of the flat buffer in the parameters'
+        dtype (one cast per contiguous run of them)."""
+        dtype = self.params[0].dtype
+        out = []
+        for start, indices in self.groups[stage]:
+            sizes = [self.params[i].numel() for i in indices]
+            run = self.grads[start:start + sum(sizes)]
+            if dtype != torch.float32:
+                run = run.to(dtype)
+            out += [g.view(self.params[i].shape) for g, i in zip(torch.split(run, sizes), indices)]
+        return [g if need else None for g, need in zip(out, needed)]
+
+
+def _stage_groups(config, params: list[torch.Tensor]) -> list:
+    """Per stage of the CUDA training backward: the runs (offset in the flat gradient buffer, parameter indices) of
+    consecutive parameters whose gradients that stage finalizes."""
+    stage_of = _C.backward_stage_of_parameters(config)
+    groups = [[] for _ in range(max(stage_of) + 1)]
+    offset = 0
+    for i, (p, stage) in enumerate(zip(params, stage_of)):
+        runs = groups[stage]
+        if runs and runs[-1][1][-1] == i - 1:
+            runs[-1][1].append(i)
+        else:
+            runs.append((offset, [i]))
+        offset += p.numel()
+    return groups
+
+
+class _CudaTrainStage(torch.autograd.Function):
+    """One backward stage of the training step as its own autograd node (ResNetEncoder(gradient_release=
+    "per_block")): the nodes chain from the stem's (input x) through empty float32 links to the last block's, which
+    returns the output. Autograd runs their backwards last block first; each launches its stage and returns the
+    gradients that stage finalized, so autograd accumulates them, and DistributedDataParallel's hooks start their
+    all-reduce, while the earlier stages still compute. The forward ran before (ResNetEncoder._forward_cuda_train)."""
+
+    @staticmethod
+    def forward(ctx, step, stage, link, *params):
+        ctx.step, ctx.stage = step, stage
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(link, *params) if stage == len(step.groups) - 1 else ctx.save_for_backward(*params)
+        if stage == 0:
+            return step.y
+        return torch.empty(0, dtype=torch.float32, device=step.x.device)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        step, stage = ctx.step, ctx.stage
+        _ = ctx.saved_tensors  # autograd raises here if one of them was modified in place since the forward
+        if stage == 0:
+            step.begin(grad if grad is not None else torch.zeros(step.out_shape, dtype=step.out_dtype,
+                                                                 device=step.x.device))
+        step.run(stage)
+        grads = step.released(stage, ctx.needs_input_grad[3:])
+        stem = stage == len(step.groups) - 1
+        link = step.dx if stem else torch.empty(0, dtype=torch.float32, device=step.x.device)
+        return (None, None, link, *grads)
+
+
 class ResNetEncoder(reference.ResNetEncoder):
     """SE-ResNet-FixUp encoder (bps-nav's se_resnet9_fixup by default) with kfuse's implementation.
 
@@ -93,12 +180,22 @@ class ResNetEncoder(reference.ResNetEncoder):
 
     ``gpu_options``: the CUDA engine's code-path choices by name (the fields of ``kfuse::EncoderOptions``,
     include/kfuse/encoder_options.h, as ints), for A/B measurements and tests; the defaults are the measured fastest.
+
+    ``gradient_release``: when the CUDA training backward hands the parameters' gradients to autograd: ``"at_end"``
+    (all at once when the backward is done) or ``"per_block"`` (each block's as soon as its backward is done, the
+    last block's first, so that DistributedDataParallel's all-reduce of them overlaps the rest of the backward; give
+    DDP buckets smaller than a block's gradients, e.g. ``bucket_cap_mb=2``). The gradients are the same.
     """
 
+    GRADIENT_RELEASE = ("at_end", "per_block")
+
     def __init__(self, in_channels: int = 3, base_planes: int = 64, layers: Sequence[int] = (1, 1, 1, 1),
-                 gpu_options: dict[str, int] | None = None):
+                 gpu_options: dict[str, int] | None = None, gradient_release: str = "at_end"):
         super().__init__(in_channels, base_planes, layers)
         self.gpu_options = dict(gpu_options or {})
+        if gradient_release not in self.GRADIENT_RELEASE:
+            raise ValueError(f"gradient_release must be one of {self.GRADIENT_RELEASE}, got {gradient_release!r}")
+        self.gradient_release = gradient_release
         self._kfuse_uid = _script.register(self)
 
     # -- construction ------------------------------------------------------------------------------------------
@@ -298,7 +395,23 @@ class ResNetEncoder(reference.ResNetEncoder):
         gpu, spec, y, stream, entry = self._prepared_call(x, params, "_kfuse_last_train_call")
         self._stage(entry)
         stash = gpu.run_train(spec, x.data_ptr(), y.data_ptr(), stream)
-        return _CudaTrainFunction.apply(self, entry, (stash, y), x, *params)
+        release = self.__dict__.get("gradient_release", "at_end")
+        if release == "at_end":
+            return _CudaTrainFunction.apply(self, entry, (stash, y), x, *params)
+        if release != "per_block":
+            raise ValueError(f"gradient_release must be one of {self.GRADIENT_RELEASE}, got {release!r}")
+        return self._staged_backward_chain(entry, stash, y, x, params)
+
+    def _staged_backward_chain(self, entry, stash, y, x, params):
+        """y as the end of a chain of _CudaTrainStage nodes, one per backward stage (stem first)."""
+        if entry[5] is None:
+            entry[5] = _stage_groups(self.config, params)
+        groups = entry[5]
+        step = _StagedStep(self, entry, stash, y, x, params, groups)
+        link = x
+        for stage in range(len(groups) - 1, -1, -1):
+            link = _CudaTrainStage.apply(step, stage, link, *[params[i] for _, run in groups[stage] for i in run])
+        return link
 
     def _prepared_call(self, x: torch.Tensor, params: list[torch.Tensor], slot: str):
         """(engine, prepared call, new output y, stream, engine entry) for a forward of x: the input is validated
@@ -362,8 +475,9 @@ class ResNetEncoder(reference.ResNetEncoder):
         return rows
 
     def _gpu_engine(self, device: torch.device, precision: torch.dtype, params: list[torch.Tensor]):
-        """[engine, bound pointers, input affine, tensors kept alive, staged copies] for (device, precision): a cached
-        _C.EncoderGpu bound to the parameters' device memory (it follows every write to them by itself)."""
+        """[engine, bound pointers, input affine, tensors kept alive, staged copies, backward stage groups] for
+        (device, precision): a cached _C.EncoderGpu bound to the parameters' device memory (it follows every write to
+        them by itself)."""
         key = (device.index, precision)
         engines = self.__dict__.setdefault("_gpu_engines", {})
         entry = engines.get(key)
@@ -371,7 +485,7 @@ class ResNetEncoder(reference.ResNetEncoder):
             name = "float16" if precision == torch.float16 else "bfloat16"
             options = self.__dict__.get("gpu_options") or {}
             entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0, options), None, _NO_AFFINE,
-                                    None, None]
+                                    None, None, None]
         if all(p.device == device for p in params):
             self._bind(entry, params)
         else:

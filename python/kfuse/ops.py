@@ -162,7 +162,7 @@ def _cuda_engine(x: Tensor, params: list[Tensor], config):
     entry = _ENGINES.get(key)
     if entry is None:
         entry = _ENGINES[key] = [_C.EncoderGpu(config, _PRECISION_NAMES[precision], key[1]), None, _NO_AFFINE, None,
-                                 None]
+                                 None, None]
     from .encoder import ResNetEncoder  # (kfuse.encoder imports this module)
     rebound = ResNetEncoder._bind(entry, params)  # validates the parameters' dtypes
     ResNetEncoder._stage(entry)

@@ -246,6 +246,25 @@ struct CallSpec {
   }
 };
 
+// EncoderGpu::backward (stage < 0) or backward_stage(stage) on DLPack tensors; the GIL released while it launches.
+void run_encoder_backward(EncoderGpu& e, int stage, uint64_t stash, const Array& x, const Array& dy,
+                          const Array& grads, const std::optional<Array>& dx, uintptr_t stream) {
+  const DeviceTensorView xv = to_view(x, "input"), dyv = to_view(dy, "output gradient");
+  const DeviceTensorView gv = to_view(grads, "gradient buffer");
+  KFUSE_CHECK(gv.dtype == DType::F32 && gv.shape.size() == 1 && gv.shape[0] == e.config().num_parameters() &&
+                  gv.strides[0] == 1,
+              InvalidArgument, "gradient buffer must be a contiguous float32 vector of ", e.config().num_parameters(),
+              " elements");
+  KFUSE_CHECK(gv.device == xv.device, InvalidArgument, "gradient buffer must be on cuda:", xv.device);
+  std::optional<DeviceTensorView> dxv;
+  if (dx) dxv = to_view(*dx, "input gradient");
+  nb::gil_scoped_release release;
+  float* const g = static_cast<float*>(gv.data);
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (stage < 0) e.backward(stash, xv, dyv, g, dxv ? &*dxv : nullptr, s);
+  else e.backward_stage(stage, stash, xv, dyv, g, dxv ? &*dxv : nullptr, s);
+}
+
 }  // namespace
 }  // namespace kfuse
 #endif
@@ -256,6 +275,11 @@ namespace kfuse {
 namespace {
 
 void bind_reference(nb::module_& m) {
+  m.def(
+      "backward_stage_of_parameters",
+      [](const ConfigTuple& cfg) { return to_config(cfg).backward_stage_of_parameters(); }, "config"_a,
+      "Per parameter (param_specs order): the CUDA training backward's stage after which its gradient is final "
+      "(0 = the last block's, ..., the stem's last)");
   m.def("param_specs", &param_specs_py, "config"_a,
         "[(name, shape)] of every parameter in bps-nav's state_dict order; config = (in_channels, base_planes, "
         "layers)");
@@ -408,21 +432,21 @@ void bind_encoder_training(nb::class_<EncoderGpu>& encoder) {
       .def("backward",
            [](EncoderGpu& e, uint64_t stash, const Array& x, const Array& dy, const Array& grads,
               std::optional<Array> dx, uintptr_t stream) {
-             const DeviceTensorView xv = to_view(x, "input"), dyv = to_view(dy, "output gradient");
-             const DeviceTensorView gv = to_view(grads, "gradient buffer");
-             KFUSE_CHECK(gv.dtype == DType::F32 && gv.shape.size() == 1 &&
-                             gv.shape[0] == e.config().num_parameters() && gv.strides[0] == 1,
-                         InvalidArgument, "gradient buffer must be a contiguous float32 vector of ",
-                         e.config().num_parameters(), " elements");
-             KFUSE_CHECK(gv.device == xv.device, InvalidArgument, "gradient buffer must be on cuda:", xv.device);
-             std::optional<DeviceTensorView> dxv;
-             if (dx) dxv = to_view(*dx, "input gradient");
-             nb::gil_scoped_release release;
-             e.backward(stash, xv, dyv, static_cast<float*>(gv.data), dxv ? &*dxv : nullptr,
-                        reinterpret_cast<cudaStream_t>(stream));
+             run_encoder_backward(e, -1, stash, x, dy, grads, dx, stream);
            },
            "stash"_a, "x"_a, "dy"_a, "grads"_a, "dx"_a.none(), "stream"_a,
            "Every parameter's gradient (flat float32, param_specs order) and optionally dL/dx")
+      .def("backward_stage",
+           [](EncoderGpu& e, int stage, uint64_t stash, const Array& x, const Array& dy, const Array& grads,
+              std::optional<Array> dx, uintptr_t stream) {
+             run_encoder_backward(e, stage, stash, x, dy, grads, dx, stream);
+           },
+           "stage"_a, "stash"_a, "x"_a, "dy"_a, "grads"_a, "dx"_a.none(), "stream"_a,
+           "One stage of the backward (0 = the last block's, ..., backward_stages - 1 = the stem's), backward's "
+           "arguments; run all in order")
+      .def_prop_ro("backward_stages", &EncoderGpu::backward_stages)
+      .def("backward_stage_of_parameters", &EncoderGpu::backward_stage_of_parameters,
+           "Per parameter (param_specs order): the backward stage after which its gradient is final")
       .def("set_use_graphs", &EncoderGpu::set_use_graphs, "on"_a)
       .def_prop_ro("graph_count", &EncoderGpu::graph_count)
       .def_prop_ro("uses_programmatic_launch", &EncoderGpu::uses_programmatic_launch)

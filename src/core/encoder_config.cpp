@@ -64,6 +64,24 @@ std::vector<ParamSpec> EncoderConfig::parameter_specs() const {
   return specs;
 }
 
+int EncoderConfig::backward_stages() const { return int(blocks().size()) + 1; }
+
+std::vector<int> EncoderConfig::backward_stage_of_parameters() const {
+  const std::vector<ParamSpec> specs = parameter_specs();
+  const std::vector<Block> bs = blocks();
+  const int n = int(bs.size());
+  std::vector<int> stage(specs.size(), n);  // the stem's
+  for (int i = 0; i < n; ++i) {
+    const Block& b = bs[size_t(i)];
+    for (size_t p = 0; p < specs.size(); ++p) {
+      if (specs[p].name.rfind(b.prefix, 0) != 0) continue;
+      const bool bias1a_after = specs[p].name == b.prefix + "fixup_bias1a" && (i == 0 || b.has_downsample);
+      stage[p] = bias1a_after ? n - i : n - 1 - i;
+    }
+  }
+  return stage;
+}
+
 int64_t EncoderConfig::num_parameters() const {
   int64_t n = 0;
   for (const ParamSpec& p : parameter_specs()) n += shape_numel(p.shape);

@@ -328,17 +328,33 @@ void launch_block_backward(EncoderGpu::Impl& m, TrainingState& t, TrainBuffers& 
   }
 }
 
-}  // namespace
+// Stages first .. last of the backward (EncoderConfig::backward_stage_of_parameters) as one launch sequence on
+// `main`, the weight gradients of the blocks among them on the side branch, joined back before the sequence ends.
+void launch_backward_stages(EncoderGpu::Impl& m, TrainingState& t, TrainBuffers& tb, const BackwardPlan& plan,
+                            float* grads, int first, int last, cudaStream_t main) {
+  const int blocks = int(m.blocks.size());
+  void* ws_side = static_cast<uint8_t*>(t.scratch) + t.scratch_bytes;
+  const BackwardStreams s{main, t.wgrad_branch ? m.side : main, t.scratch, t.wgrad_branch ? ws_side : t.scratch,
+                          t.scratch_bytes};
+  for (int stage = first; stage <= last && stage < blocks; ++stage)
+    launch_block_backward(m, t, tb, plan, size_t(blocks - 1 - stage), grads, s);
+  if (last == blocks) check_cuda(kernels::launch_stem_backward(plan.stem, m.dtype, s.ws, main), "stem backward");
+  if (t.wgrad_branch && first < blocks) {  // join: the sequence ends when its weight gradients are final
+    check_cuda(cudaEventRecord(t.wgrad_join, m.side), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(main, t.wgrad_join, 0), "cudaStreamWaitEvent");
+  }
+}
 
-void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy, float* grads,
-                          const DeviceTensorView* dx, cudaStream_t stream) {
-  Impl& m = *impl_;
+// backward() and backward_stage(): stages first .. last, planned, then launched (replayed as a CUDA graph per
+// geometry, caller's pointers and stage range).
+void run_backward(EncoderGpu::Impl& m, uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy,
+                  float* grads, const DeviceTensorView* dx, int first, int last, cudaStream_t stream) {
   TrainingState& t = training(m);
   KFUSE_CHECK(grads != nullptr, InvalidArgument, "backward: null gradient buffer");
   Geometry g{};
   TrainBuffers& tb = stashed(t, stash, g);
   check_backward_views(m, tb, g, x, dy, dx);
-  Impl::Device scope(m.device);
+  EncoderGpu::Impl::Device scope(m.device);
 
   BackwardPlan plan;
   plan.probs = geometry_problems(m, g);
@@ -358,25 +374,36 @@ void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const Devic
                             int64_t(dy.dtype),
                             reinterpret_cast<int64_t>(grads),
                             dx ? reinterpret_cast<int64_t>(dx->data) : 0,
-                            dx ? int64_t(dx->dtype) : -1};
+                            dx ? int64_t(dx->dtype) : -1,
+                            first,
+                            last};
   key.insert(key.end(), x.strides.begin(), x.strides.end());
   m.ensure_side_stream();
   ensure_wgrad_events(t, m.blocks.size());
   // The launches go to the lambda's stream: the caller's, or the capture stream when the graph is recorded.
   m.train_graphs.run(
-      key, stream,
-      [&](cudaStream_t main) {
-        void* ws_side = static_cast<uint8_t*>(t.scratch) + t.scratch_bytes;
-        const BackwardStreams s{main, t.wgrad_branch ? m.side : main, t.scratch, t.wgrad_branch ? ws_side : t.scratch,
-                                t.scratch_bytes};
-        for (size_t ii = m.blocks.size(); ii-- > 0;) launch_block_backward(m, t, tb, plan, ii, grads, s);
-        check_cuda(kernels::launch_stem_backward(plan.stem, m.dtype, s.ws, main), "stem backward");
-        if (t.wgrad_branch) {  // join: the step ends when every weight gradient is final
-          check_cuda(cudaEventRecord(t.wgrad_join, m.side), "cudaEventRecord");
-          check_cuda(cudaStreamWaitEvent(main, t.wgrad_join, 0), "cudaStreamWaitEvent");
-        }
-      },
+      key, stream, [&](cudaStream_t main) { launch_backward_stages(m, t, tb, plan, grads, first, last, main); },
       m.use_graphs);
+}
+
+}  // namespace
+
+void EncoderGpu::backward(uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy, float* grads,
+                          const DeviceTensorView* dx, cudaStream_t stream) {
+  run_backward(*impl_, stash, x, dy, grads, dx, 0, backward_stages() - 1, stream);
+}
+
+int EncoderGpu::backward_stages() const { return impl_->config.backward_stages(); }
+
+std::vector<int> EncoderGpu::backward_stage_of_parameters() const {
+  return impl_->config.backward_stage_of_parameters();
+}
+
+void EncoderGpu::backward_stage(int stage, uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy,
+                                float* grads, const DeviceTensorView* dx, cudaStream_t stream) {
+  KFUSE_CHECK(stage >= 0 && stage < backward_stages(), InvalidArgument, "backward_stage: stage ", stage,
+              " is not in [0, ", backward_stages(), ")");
+  run_backward(*impl_, stash, x, dy, grads, dx, stage, stage, stream);
 }
 
 }  // namespace kfuse

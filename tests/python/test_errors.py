@@ -37,6 +37,12 @@ def test_not_a_tensor(enc):
         enc([[1.0]])
 
 
+def test_gradient_release_names_its_choices():
+    with pytest.raises(ValueError, match=r"gradient_release must be one of \('at_end', 'per_block'\), got 'later'"):
+        kfuse.ResNetEncoder(gradient_release="later")
+    assert kfuse.ResNetEncoder(gradient_release="per_block").gradient_release == "per_block"
+
+
 def test_device_mismatch_and_unsupported_device(enc):
     with pytest.raises(ValueError, match="input is on meta"):
         enc(torch.empty(1, 3, 32, 32, device="meta"))
