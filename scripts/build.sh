@@ -18,5 +18,8 @@ if [[ -z "${CUDACXX:-}" ]]; then
     cuda=OFF
   fi
 fi
+# ccache hashes the paths under the checkout relative to it: another clone of the same sources (CI's fresh clone)
+# reuses this machine's cache.
+export CCACHE_BASEDIR="$root"
 cmake -S . -B build -G Ninja -DPython_EXECUTABLE="$py" -DKFUSE_WITH_CUDA="$cuda" ${KFUSE_CMAKE_ARGS:-} >/dev/null
 cmake --build build -j "${KFUSE_JOBS:-2}"
