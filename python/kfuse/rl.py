@@ -93,15 +93,16 @@ class Policy(nn.Module):
         x = (x - mean.view(1, -1, 1, 1).to(dtype)) * torch.rsqrt(var.clamp_min(1e-2)).view(1, -1, 1, 1).to(dtype)
         return self.encoder(x)
 
-    def forward(self, frames, goal, prev_action, hidden, masks):
+    def forward(self, frames, goal, prev_action, hidden, masks, final_state: bool = True):
         """frames (T*N, H, W, 4) uint8, goal (T*N, 3), prev_action (T*N,) long, masks (T*N,) 0 at episode starts,
         hidden (h, c) each (2, N, HIDDEN) at the first step. Returns fp32 logits (T*N, 4), values (T*N,) and the
-        hidden state after the last step."""
+        hidden state after the last step (None with final_state=False, which lets several steps run as one padded
+        LSTM call instead of a packed one)."""
         n = hidden[0].shape[1]
         f = self.fc(self.compress(self._frames(frames)))
         dtype = f.dtype
         z = torch.cat([f, self.goal(goal.to(dtype)), self.prev_action(prev_action)], 1)
-        o, hidden = masked_lstm(self.rnn, z, hidden, masks, n)
+        o, hidden = masked_lstm(self.rnn, z, hidden, masks, n, final_state)
         return self.actor(o).float(), self.critic(o).float().squeeze(1), hidden
 
     def initial_hidden(self, n: int, device=None, dtype=None):
@@ -110,24 +111,26 @@ class Policy(nn.Module):
         return z, z.clone()
 
 
-def masked_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: int):
+def masked_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: int, final_state: bool = True):
     """The LSTM over T steps of n environments (z: (T*n, F), time-major) whose state is reset where masks is 0.
     One step (the rollout's): the state times the mask, then the LSTM. Several (the update's): in one call, each
     episode piece (an environment's steps from a reset, or from the rollout's start, to the next reset) its own
     sequence of a PackedSequence, starting from the stored state (first pieces, times the mask) or from zeros: equal
     to stepping the LSTM T times, one cuDNN call instead of T, forward and backward. Returns the outputs (T*n, H)
-    and the state after the last step."""
+    and the state after the last step; with final_state=False (several steps) the state is None and the pieces run
+    padded to the longest instead of packed: a piece's padding steps come after its outputs, so the outputs and
+    every gradient are the same, and the call avoids cuDNN's variable-length path."""
     h0, c0 = hidden
     if z.shape[0] == n:
         m = masks.to(z.dtype).view(1, n, 1)
         o, (h, c) = rnn(z.unsqueeze(0), (h0 * m, c0 * m))
         # (Dynamo's traced LSTM, allow_rnn, returned the states as (layers, 1, n, H): the same values, one more dim.)
         return o.squeeze(0), (h.reshape(h0.shape), c.reshape(c0.shape))
-    return _packed_lstm(rnn, z, hidden, masks, n)
+    return _packed_lstm(rnn, z, hidden, masks, n, final_state)
 
 
 @torch.compiler.disable  # host index math on the masks, and a PackedSequence: eager
-def _packed_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: int):
+def _packed_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: int, final_state: bool = True):
     h0, c0 = hidden
     steps = z.shape[0] // n
     seq = episode_pieces(masks.detach().view(steps, n).cpu())
@@ -136,12 +139,18 @@ def _packed_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: 
     padded = z.index_select(0, dev["gather"].view(-1)).view(*dev["gather"].shape, z.shape[1])  # (L, S, F)
     # (index_select, not z[gather]: its backward adds rows atomically where advanced indexing's sorts them; the only
     # repeated row is the padding's, whose gradient is zero, so the sums are exact in any order.)
-    packed = nn.utils.rnn.pack_padded_sequence(padded, lengths, enforce_sorted=False)
     env = dev["env"]
     keep = (masks.view(steps, n)[0].to(z.dtype)[env] * dev["first"].to(z.dtype)).view(1, -1, 1)
-    out, (h, c) = rnn(packed, (h0[:, env] * keep, c0[:, env] * keep))
-    out, _ = nn.utils.rnn.pad_packed_sequence(out, total_length=padded.shape[0])
+    start = (h0[:, env] * keep, c0[:, env] * keep)
+    if not final_state:
+        out, _ = rnn(padded, start)  # (L, S, H); past a piece's end, steps nothing reads
+    else:
+        packed = nn.utils.rnn.pack_padded_sequence(padded, lengths, enforce_sorted=False)
+        out, (h, c) = rnn(packed, start)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, total_length=padded.shape[0])
     o = out.reshape(-1, out.shape[2]).index_select(0, dev["row"] * out.shape[1] + dev["col"])  # time-major (T*n, H)
+    if not final_state:
+        return o, None
     last = dev["last"]
     return o, (h[:, last], c[:, last])
 
@@ -354,7 +363,7 @@ class PPOTrainer:
                 flat = lambda v: v[:, mb].reshape(self.steps * m, *v.shape[2:])  # noqa: E731 (time-major)
                 hidden = (s.hidden0[0][:, mb], s.hidden0[1][:, mb])
                 logits, values, _ = self.evaluate(flat(s.frames), flat(s.goals), flat(s.prev_actions), hidden,
-                                                  flat(s.masks[:-1]))
+                                                  flat(s.masks[:-1]), final_state=False)
                 ratio, entropy = ppo_terms(logits, flat(s.actions), flat(s.logprobs))
                 a = flat(adv)
                 surrogate = torch.min(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a).mean()

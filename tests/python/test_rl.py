@@ -104,6 +104,32 @@ def test_masked_lstm_over_episode_pieces_equals_stepping_it(steps):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("steps", [2, 7])
+def test_padded_pieces_give_the_packed_outputs_and_gradients(steps):
+    """masked_lstm(final_state=False), the update's call: the pieces padded to the longest instead of packed. The
+    padding steps follow each piece's outputs and nothing reads them, so the outputs and the gradients of the
+    inputs, the initial state and every weight equal the packed call's (float64: the same per-sequence arithmetic,
+    other batch sizes per step)."""
+    torch.manual_seed(10 + steps)
+    n, feat, hid = 6, 5, 3
+    rnn = torch.nn.LSTM(feat, hid, num_layers=2).double()
+    masks = (torch.rand(steps, n) > 0.4).double()
+    masks[:, 0], masks[:, 1] = 1, 0
+    masks = masks.reshape(-1)
+    z = torch.randn(steps * n, feat, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, n, hid, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(2, n, hid, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(steps * n, hid, dtype=torch.float64)
+    results = []
+    for final_state in (True, False):
+        o, state = rl.masked_lstm(rnn, z, (h0, c0), masks, n, final_state)
+        assert (state is None) == (not final_state)
+        grads = torch.autograd.grad((o * w).sum(), [z, h0, c0, *rnn.parameters()])
+        results.append((o, *grads))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_episode_pieces_of_a_small_case():
     masks = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # (T=3, n=2): env 0 resets at t=1, env 1 at t=0
     p = rl.episode_pieces(masks)
