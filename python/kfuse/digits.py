@@ -20,7 +20,7 @@ from torch import nn
 
 from . import fp8, reference
 
-__all__ = ["DigitsData", "load", "Classifier", "train", "accuracy", "fp8_report"]
+__all__ = ["DigitsData", "load", "Classifier", "train", "accuracy", "fp8_report", "fp8_training_report"]
 
 
 @dataclass
@@ -144,6 +144,29 @@ def fp8_report(model: Classifier, data: DigitsData, calibration_batches: int = 8
     own = _block_outputs(_plain(model, next(model.parameters()).dtype).encoder, x.to(next(model.parameters()).dtype))
     report["layer_error_fp8"] = {k: _rel(q[k], ref[k]) for k in ref}
     report["layer_error_own_dtype"] = {k: _rel(own[k], ref[k]) for k in ref}
+    return report
+
+
+def fp8_training_report(data: DigitsData, steps: int = 300, seed: int = 0, device="cpu", batch: int = 64,
+                        lr: float = 1e-3, window: int = 20) -> dict:
+    """The plain-PyTorch encoder + head trained twice from one seed on the same batches: in float32, and with every
+    convolution trained as fp8 does (fp8.fp8_training: e4m3 inputs and filters, e5m2 gradients, delayed scaling).
+    Returns both held-out accuracies, both loss curves (each step's loss) and the largest gap between their moving
+    averages over `window` steps: the accuracy of the fp8 training recipe, ahead of (and as the reference of) its
+    kernels."""
+    report = {}
+    for name in ("float32", "fp8"):
+        torch.manual_seed(seed)
+        model = Classifier(reference.ResNetEncoder(3)).to(device)
+        if name == "fp8":
+            with fp8.fp8_training(model.encoder):
+                losses = train(model, data, steps=steps, batch=batch, lr=lr, seed=seed)
+        else:
+            losses = train(model, data, steps=steps, batch=batch, lr=lr, seed=seed)
+        report[f"losses_{name}"] = losses
+        report[f"accuracy_{name}"] = accuracy(model, data.x_test, data.y_test)
+    smooth = [torch.tensor(report[f"losses_{k}"]).unfold(0, window, 1).mean(1) for k in ("float32", "fp8")]
+    report["loss_gap_max"] = (smooth[0] - smooth[1]).abs().max().item() if steps >= window else None
     return report
 
 

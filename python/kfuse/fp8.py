@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["FORMATS", "DelayedScaling", "quantize", "scale_from_amax", "conv2d_quantized_reference", "calibrate",
-           "fp8_convolutions"]
+           "fp8_convolutions", "fp8_training"]
 
 # format name -> (torch dtype, largest finite value)
 FORMATS = {
@@ -72,15 +72,21 @@ class DelayedScaling:
         self.scale = torch.ones(shape[1:], device=device)
 
     def quantize(self, x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x as the fp8 kernel sees it, the scale used). Per-channel state scales dimension 0 of x."""
-        s = self.scale if self.scale.dim() == 0 else self.scale.view(-1, *([1] * (x.dim() - 1)))
-        return quantize(x, s, fmt), self.scale.clone()
+        """(x as the fp8 kernel sees it, the scale used). Per-channel state scales dimension 0 of x. Before any amax
+        was recorded (an empty history) the scale comes from x's own amax instead of the default 1, so that a first
+        step's gradients (amax ~1e-4) do not flush to zero; on the device, without a host synchronisation."""
+        scale = torch.where(self.amax_history.amax(0) > 0, self.scale, scale_from_amax(self._amax(x), fmt))
+        s = scale if scale.dim() == 0 else scale.view(-1, *([1] * (x.dim() - 1)))
+        return quantize(x, s, fmt), scale
+
+    def _amax(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.detach().abs().float()
+        return a.amax() if self.scale.dim() == 0 else a.reshape(a.shape[0], -1).amax(1)
 
     def update(self, x: torch.Tensor, fmt: str) -> None:
         """Rolls x's amax (per channel: over every dimension but 0) into the history, then sets the next scale."""
         with torch.no_grad():
-            amax = x.detach().abs().float()
-            amax = amax.amax() if self.scale.dim() == 0 else amax.reshape(amax.shape[0], -1).amax(1)
+            amax = self._amax(x)
             rolled = torch.roll(self.amax_history, 1, dims=0)
             rolled[0] = amax
             self.amax_history.copy_(rolled)
@@ -168,3 +174,67 @@ def fp8_convolutions(model: nn.Module, amax: dict[str, torch.Tensor], fmt: str =
         for name, conv in convs.items():
             if name in originals:
                 del conv.forward  # the class's forward again
+
+
+class _Fp8Conv2d(torch.autograd.Function):
+    """nn.Conv2d as an fp8 training step computes it (Transformer Engine's recipe): the input in e4m3 with its
+    delayed per-tensor scale, the filter in e4m3 with per-output-channel scales from its current values, dL/dy in
+    e5m2 with its delayed scale; the forward, the data gradient and the weight gradient each from those quantized
+    operands with fp32 sums; the results in the module's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, conv, state, fmts):
+        act_fmt, weight_fmt, _ = fmts
+        xq, _ = state["x"].quantize(x.float(), act_fmt)
+        state["x"].update(x, act_fmt)
+        w_amax = w.detach().abs().float().reshape(w.shape[0], -1).amax(1)
+        wq = quantize(w.float(), scale_from_amax(w_amax, weight_fmt).view(-1, 1, 1, 1), weight_fmt)
+        ctx.save_for_backward(xq, wq)
+        ctx.conv, ctx.state, ctx.fmts, ctx.dtypes = conv, state, fmts, (x.dtype, w.dtype)
+        ctx.has_bias = bias is not None
+        y = F.conv2d(xq, wq, None if bias is None else bias.float(), conv.stride, conv.padding, conv.dilation,
+                     conv.groups)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, wq = ctx.saved_tensors
+        conv, grad_fmt = ctx.conv, ctx.fmts[2]
+        dyq, _ = ctx.state["dy"].quantize(dy.float(), grad_fmt)
+        ctx.state["dy"].update(dy, grad_fmt)
+        args = (conv.stride, conv.padding, conv.dilation, conv.groups)
+        dx = torch.nn.grad.conv2d_input(xq.shape, wq, dyq, *args) if ctx.needs_input_grad[0] else None
+        dw = torch.nn.grad.conv2d_weight(xq, wq.shape, dyq, *args) if ctx.needs_input_grad[1] else None
+        db = dyq.sum((0, 2, 3)).to(ctx.dtypes[1]) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (None if dx is None else dx.to(ctx.dtypes[0]), None if dw is None else dw.to(ctx.dtypes[1]), db,
+                None, None, None)
+
+
+@contextlib.contextmanager
+def fp8_training(model: nn.Module, history: int = 16, margin: int = 0, act_fmt: str = "e4m3",
+                 weight_fmt: str = "e4m3", grad_fmt: str = "e5m2"):
+    """Inside the context every nn.Conv2d of `model` trains as an fp8 tensor-core convolution would (_Fp8Conv2d):
+    the reference of kfuse's fp8 training, and its accuracy before the kernels. Each convolution keeps a delayed-
+    scaling state for its input and for its output gradient (`history` amaxes, 2**margin headroom), on the device.
+    Yields {conv name: {"x": DelayedScaling, "dy": DelayedScaling}}."""
+    for fmt in (act_fmt, weight_fmt, grad_fmt):
+        _format(fmt)
+    convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    if not convs:
+        raise ValueError("fp8_training: the model has no nn.Conv2d")
+    fmts = (act_fmt, weight_fmt, grad_fmt)
+    states = {}
+    for name, conv in convs.items():
+        device = conv.weight.device
+        states[name] = {"x": DelayedScaling(history, margin, device), "dy": DelayedScaling(history, margin, device)}
+
+    def fp8_forward(conv: nn.Conv2d, state: dict):
+        return lambda x: _Fp8Conv2d.apply(x, conv.weight, conv.bias, conv, state, fmts)
+
+    try:
+        for name, conv in convs.items():
+            conv.forward = fp8_forward(conv, states[name])
+        yield states
+    finally:
+        for conv in convs.values():
+            conv.__dict__.pop("forward", None)  # the class's forward again

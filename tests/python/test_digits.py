@@ -2,6 +2,7 @@
 needed): training moves the loss down, the report holds both accuracies and per-block errors against float64 in
 fp8's range (e4m3 keeps 3 mantissa bits: a few percent per layer, not more) and in float32's."""
 
+import pytest
 import torch
 
 import kfuse
@@ -32,3 +33,12 @@ def test_training_and_the_fp8_report_on_a_small_task():
     for name in blocks:
         assert report["layer_error_own_dtype"][name] < 1e-5, name  # float32 against float64
         assert 1e-4 < report["layer_error_fp8"][name] < 0.2, (name, report["layer_error_fp8"][name])
+
+
+def test_fp8_training_report_trains_both_ways_from_one_seed():
+    data = _synthetic()
+    report = digits.fp8_training_report(data, steps=3, batch=4, window=2)
+    assert len(report["losses_float32"]) == len(report["losses_fp8"]) == 3
+    assert report["losses_float32"][0] == pytest.approx(report["losses_fp8"][0], rel=0.2)  # same start, other numerics
+    assert report["losses_float32"] != report["losses_fp8"]
+    assert 0 <= report["accuracy_fp8"] <= 1 and report["loss_gap_max"] >= 0

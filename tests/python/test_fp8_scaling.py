@@ -119,3 +119,50 @@ def test_fp8_convolutions_compute_the_quantized_reference_and_restore_the_model(
     with pytest.raises(ValueError, match="no calibrated range"):
         with fp8.fp8_convolutions(enc, {}):
             pass
+
+
+def test_fp8_training_convolution_is_the_quantized_reference_forward_and_backward():
+    """Under fp8_training a convolution's output, data gradient and weight gradient are those of the quantized
+    operands (input e4m3 per tensor, filter e4m3 per output channel, dL/dy e5m2 per tensor), summed in float64 here;
+    the first step scales from the tensors' own amax, the second from the recorded history."""
+    gen = torch.Generator().manual_seed(3)
+    conv = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=True).double()
+    model = torch.nn.Sequential(conv)
+    for step in range(2):
+        x = (torch.randn(2, 4, 9, 9, generator=gen, dtype=torch.float64) * (1 + step)).requires_grad_()
+        dy = torch.randn(2, 6, 5, 5, generator=gen, dtype=torch.float64) * 1e-4
+        with fp8.fp8_training(model) as states:
+            if step == 1:
+                states["0"]["x"].update(x_prev, "e4m3")  # noqa: F821  (the history of step 0's input)
+                states["0"]["dy"].update(dy_prev, "e5m2")  # noqa: F821
+            y = model(x)
+            y.backward(dy)
+        xs = fp8.scale_from_amax((x_prev if step else x).abs().amax(), "e4m3")  # noqa: F821
+        gs = fp8.scale_from_amax((dy_prev if step else dy).abs().amax(), "e5m2")  # noqa: F821
+        ws = fp8.scale_from_amax(conv.weight.abs().reshape(6, -1).amax(1), "e4m3").view(-1, 1, 1, 1)
+        xq, wq, dyq = fp8.quantize(x, xs, "e4m3"), fp8.quantize(conv.weight, ws, "e4m3"), fp8.quantize(dy, gs, "e5m2")
+        # The convolution sums in fp32 (as the kernels will): <= 50 terms per sum, so within 50 * 2^-24 ~ 3e-6 of the
+        # largest value; 1e-5 of it below.
+        for got, want in ((y, torch.nn.functional.conv2d(xq, wq, conv.bias, 2, 1)),
+                          (x.grad, torch.nn.grad.conv2d_input(x.shape, wq, dyq, 2, 1)),
+                          (conv.weight.grad, torch.nn.grad.conv2d_weight(xq, wq.shape, dyq, 2, 1))):
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        assert not torch.equal(conv.weight.grad, torch.nn.grad.conv2d_weight(x.detach(), wq.shape, dy, 2, 1))
+        assert "forward" not in conv.__dict__  # the module's own forward again
+        conv.weight.grad = conv.bias.grad = None
+        x_prev, dy_prev = x.detach(), dy  # noqa: F841
+
+
+def test_fp8_training_saturates_a_gradient_spike_and_rescales_after_it():
+    """A dL/dy 1e6 times larger than the history's saturates at e5m2's largest value on its own step (finite
+    gradients, no NaN) and sets the next step's scale from the spike."""
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1, bias=False)
+    x = torch.randn(1, 2, 6, 6)
+    with fp8.fp8_training(conv) as states:
+        for scale in (1e-3, 1e-3, 1e3):
+            conv(x).backward(torch.randn(1, 3, 6, 6) * scale)
+            assert torch.isfinite(conv.weight.grad).all()
+            conv.weight.grad = None
+        next_scale = states[""]["dy"].scale
+    assert torch.isclose(next_scale, 57344.0 / states[""]["dy"].amax_history.amax(), rtol=1e-6)
+    assert states[""]["dy"].amax_history.amax() > 100
