@@ -184,7 +184,8 @@ class ResNetEncoder(reference.ResNetEncoder):
     ``gradient_release``: when the CUDA training backward hands the parameters' gradients to autograd: ``"at_end"``
     (all at once when the backward is done) or ``"per_block"`` (each block's as soon as its backward is done, the
     last block's first, so that DistributedDataParallel's all-reduce of them overlaps the rest of the backward; give
-    DDP buckets smaller than a block's gradients, e.g. ``bucket_cap_mb=2``). The gradients are the same.
+    DDP buckets smaller than a block's gradients, e.g. ``bucket_cap_mb=2``). The gradients are the same. Eager
+    training only: under torch.compile the encoder's backward op hands on every gradient at its end.
     """
 
     GRADIENT_RELEASE = ("at_end", "per_block")
