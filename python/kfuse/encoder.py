@@ -154,7 +154,8 @@ class _CudaTrainStage(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(link, *params) if stage == len(step.groups) - 1 else ctx.save_for_backward(*params)
         if stage == 0:
-            return step.y
+            y, step.y = step.y, None  # (the step must not hold y: y -> its node -> the step would be a cycle)
+            return y
         return torch.empty(0, dtype=torch.float32, device=step.x.device)
 
     @staticmethod
@@ -169,6 +170,8 @@ class _CudaTrainStage(torch.autograd.Function):
         grads = step.released(stage, ctx.needs_input_grad[3:])
         stem = stage == len(step.groups) - 1
         link = step.dx if stem else torch.empty(0, dtype=torch.float32, device=step.x.device)
+        if stem:  # the step is done: its buffers go (the gradients returned keep what they view); begin() makes
+            step.dy = step.grads = step.dx = None  # new ones for another backward through a retained graph
         return (None, None, link, *grads)
 
 

@@ -354,6 +354,10 @@ void run_backward(EncoderGpu::Impl& m, uint64_t stash, const DeviceTensorView& x
   Geometry g{};
   TrainBuffers& tb = stashed(t, stash, g);
   check_backward_views(m, tb, g, x, dy, dx);
+  // Each stage reads the data gradient the stage before it left in the buffers.
+  KFUSE_CHECK(first == 0 || tb.next_stage == first, InvalidArgument, "backward_stage: stage ", first,
+              " cannot run now (next in order: ", tb.next_stage, "); run the stages in order from 0");
+  tb.next_stage = last + 1;
   EncoderGpu::Impl::Device scope(m.device);
 
   BackwardPlan plan;

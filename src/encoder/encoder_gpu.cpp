@@ -58,6 +58,7 @@ EncoderGpu::EncoderGpu(const EncoderConfig& config, GpuPrecision precision, int 
   Impl& m = *impl_;
   m.config = config;
   m.blocks = config.blocks();
+  m.train_graphs.set_capacity(3 * (m.blocks.size() + 2));  // per staged step: forward, every block, the stem
   m.precision = precision;
   m.dtype = precision == GpuPrecision::kFloat16 ? ConvDType::kF16 : ConvDType::kBF16;
   m.device = device;

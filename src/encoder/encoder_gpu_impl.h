@@ -149,8 +149,9 @@ struct EncoderGpu::Impl {
   std::map<GraphKey, Graph> graphs;
   std::set<GraphKey> graph_warm;  // kinds of call run once eagerly (captured from their second call)
   // The training step's forward and backward, each replayed as a graph per (geometry, caller's pointers; the
-  // backward also per stage range: a staged backward keeps one graph per stage, 5 for the default network).
-  LaunchGraphCache train_graphs{16};
+  // backward also per stage range: a staged backward keeps one graph per stage). Sized by the constructor for three
+  // geometries or pointer sets of a staged step.
+  LaunchGraphCache train_graphs;
   // Two equal halves: the main stream's convolutions use the first, the shortcut branch's the second (split-K
   // semaphores must not be shared by kernels that may run at the same time).
   void* conv_workspace = nullptr;

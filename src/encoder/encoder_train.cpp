@@ -449,6 +449,7 @@ uint64_t EncoderGpu::forward_train(const DeviceTensorView& x, const DeviceTensor
       },
       m.use_graphs);
   tb.stash = t.next_stash++;
+  tb.next_stage = 0;
   tb.y_dtype = y.dtype;
   return tb.stash;
 }

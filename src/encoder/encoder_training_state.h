@@ -32,6 +32,7 @@ struct TrainBuffers {
   // so that no backward allocates or writes outside its stream).
   float* zero = nullptr;
   uint64_t stash = 0;                            // id of the forward whose values the buffers hold (0: none)
+  int next_stage = 0;                            // a staged backward's next stage (backward_stage runs them in order)
   DType y_dtype = DType::F32;
 };
 

@@ -45,6 +45,7 @@ class LaunchGraphCache {
   // eagerly from then on, with one warning on stderr. `enabled` false: always eager (and nothing is remembered).
   void run(const Key& key, cudaStream_t stream, const Launch& launch, bool enabled = true);
   void clear();
+  void set_capacity(size_t capacity) { capacity_ = capacity; }
   size_t graph_count() const;
 
  private:

@@ -13,8 +13,9 @@ import kfuse
 pytestmark = pytest.mark.skipif(not kfuse.cuda_available(), reason="needs a CUDA GPU and a CUDA build of kfuse")
 
 
-def _pair(make_reference, dtype, seed):
-    enc = kfuse.ResNetEncoder.from_torch(make_reference(in_channels=3, seed=seed)).cuda().to(dtype).train()
+def _pair(make_reference, dtype, seed, layers=(1, 1, 1, 1)):
+    enc = kfuse.ResNetEncoder.from_torch(make_reference(in_channels=3, seed=seed, layers=layers)).cuda().to(dtype)
+    enc.train()
     staged = copy.deepcopy(enc)
     staged.gradient_release = "per_block"
     return enc, staged
@@ -25,17 +26,21 @@ def _step(enc, x, dy, input_grad):
     enc.zero_grad(set_to_none=True)
     y = enc(xk)
     y.backward(dy.to(y.dtype))
-    return y.detach(), {n: p.grad for n, p in enc.named_parameters()}, xk.grad
+    # copies: holding the step's own tensors would move the next step's allocations (and its graphs' keys)
+    return (y.detach().clone(), {n: p.grad.clone() for n, p in enc.named_parameters()},
+            None if xk.grad is None else xk.grad.clone())
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype,layers", [(torch.float16, (1, 1, 1, 1)), (torch.bfloat16, (1, 1, 1, 1)),
+                                          (torch.float32, (1, 1, 1, 1)), (torch.float16, (2, 2, 1, 1))])
 @pytest.mark.parametrize("input_grad", [False, True])
-def test_per_block_release_equals_at_end(make_reference, dtype, input_grad):
-    enc, staged = _pair(make_reference, dtype, seed=61)
+def test_per_block_release_equals_at_end(make_reference, dtype, layers, input_grad):
+    """(2, 2, 1, 1): blocks with identity shortcuts after the first, whose fixup_bias1a their own stage finalizes.)"""
+    enc, staged = _pair(make_reference, dtype, seed=61, layers=layers)
     gen = torch.Generator().manual_seed(62)
     x = torch.rand(9, 3, 64, 64, generator=gen).cuda()
     dy = (torch.randn(9, 512, 2, 2, generator=gen) + 1.0).cuda()
-    for replay in range(3):  # eager, captured, replayed
+    for replay in range(4):  # eager, captured, replayed
         y0, g0, dx0 = _step(enc, x, dy, input_grad)
         y1, g1, dx1 = _step(staged, x, dy, input_grad)
         assert torch.equal(y0, y1)
@@ -43,6 +48,8 @@ def test_per_block_release_equals_at_end(make_reference, dtype, input_grad):
             assert g1[name] is not None and g1[name].dtype == g0[name].dtype, name
             assert torch.equal(g0[name], g1[name]), f"{name} (call {replay})"
         assert (dx0 is None) == (dx1 is None) and (dx0 is None or torch.equal(dx0, dx1))
+    gpu = staged._gpu_engines[(0, torch.bfloat16 if dtype == torch.bfloat16 else torch.float16)][0]
+    assert gpu.graph_count >= 1 + gpu.backward_stages  # the steps were captured: a forward and every stage
 
 
 def test_per_block_release_with_uint8_input(make_reference):
@@ -118,3 +125,6 @@ def test_stages_write_every_gradient_once_as_backward_does(make_reference):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     with pytest.raises(ValueError, match="stage 5 is not in"):
         gpu.backward_stage(gpu.backward_stages, stash, x, dy, grads, None, stream)
+    stash = gpu.forward_train(x, y, stream)
+    with pytest.raises(ValueError, match="stage 2 cannot run now .next in order: 0.; run the stages in order"):
+        gpu.backward_stage(2, stash, x, dy, grads, dx, stream)

@@ -60,6 +60,13 @@ def test_stage_map_of_the_default_network():
     assert stage["layers.0.0.conv1.weight"] == 3 and stage["layers.0.0.fixup_bias1a"] == 4
     assert stage["stem.1.weight"] == 4
     assert sorted(set(stage.values())) == [0, 1, 2, 3, 4]
+    # identity blocks after the first finalize their own fixup_bias1a (the sum of their input's gradient)
+    config = kfuse.ResNetEncoder(3, layers=(2, 2, 1, 1)).config
+    names = [name for name, _ in _C.param_specs(config)]
+    stage = dict(zip(names, _C.backward_stage_of_parameters(config)))
+    assert stage["layers.1.1.fixup_bias1a"] == stage["layers.1.1.conv1.weight"] == 2
+    assert stage["layers.1.0.fixup_bias1a"] == 4 and stage["layers.0.1.fixup_bias1a"] == 4
+    assert stage["layers.0.0.fixup_bias1a"] == stage["stem.1.weight"] == 6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -80,6 +87,26 @@ def test_each_stage_hands_on_its_parameters_gradients_last_block_first(dtype):
     stage_of = dict(zip([n for n, _ in enc.named_parameters()], engine.stage_of))
     assert sorted(order) == sorted(stage_of) and [stage_of[n] for n in order] == sorted(stage_of[n] for n in order)
     assert torch.equal(x.grad, torch.full_like(x, 7.0))
+
+
+def test_the_step_holds_no_cycle_and_a_retained_graph_runs_twice():
+    """The output's node must not keep the step's buffers in a reference cycle (freed when the output goes, not at
+    the next garbage collection); backward through a retained graph runs every stage again."""
+    import gc
+    import weakref
+
+    enc = kfuse.ResNetEncoder(3)
+    y, engine, _ = staged_output(enc, torch.rand(1, 3, 64, 64))
+    step = weakref.ref(y.grad_fn.step)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    assert engine.stages == [0, 1, 2, 3, 4] * 2
+    gc.disable()
+    try:
+        del y
+        assert step() is None
+    finally:
+        gc.enable()
 
 
 def test_gradients_accumulate_and_no_input_gradient_unless_asked():
