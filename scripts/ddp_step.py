@@ -122,9 +122,10 @@ def _worker(rank: int, world: int, impl: str, store: str, out: str, ddp_args: di
             times.append(start.elapsed_time(end) / STEPS)
         ms = [None] * world
         if world > 1:
-            allreduce_ms = _allreduce_alone(sum(p.numel() for p in enc.parameters()), device)
+            numel = sum(p.numel() for p in enc.parameters())
+            allreduce_ms = _allreduce_alone(numel, device)
             if rank == 0:
-                print(f"[ddp step] all-reduce of the gradients alone ({sum(p.numel() for p in enc.parameters())} fp16): "
+                print(f"[ddp step] all-reduce of the gradients alone ({numel} fp16): "
                       f"{allreduce_ms * 1e3:.1f} us", flush=True)
             dist.all_gather_object(ms, statistics.median(times))
         else:

@@ -48,6 +48,17 @@ def _cuda_stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index or 0)
 
 
+def _current_stash(module, entry, params, stash, x, out_shape, out_dtype, stream) -> int:
+    """The stash of the forward that produced `stash`, recomputed from its saved input and parameters where another
+    forward replaced it (other parameter tensors bound, or the same input geometry run since)."""
+    gpu = entry[0]
+    if module._bind(entry, params) or not gpu.stash_valid(stash):
+        y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+        ResNetEncoder._stage(entry)
+        stash = gpu.forward_train(x, y, stream)
+    return stash
+
+
 class _CudaTrainFunction(torch.autograd.Function):
     """The fused training step: the forward already ran (ResNetEncoder._forward_cuda_train launches it before this
     Function's bookkeeping) and keeps its stash inside the engine (per input geometry); backward writes every
@@ -67,12 +78,7 @@ class _CudaTrainFunction(torch.autograd.Function):
         x, *params = ctx.saved_tensors  # autograd raises here if a parameter was modified in place since forward
         gpu = ctx.entry[0]
         stream = _cuda_stream(x.device)
-        if ctx.module._bind(ctx.entry, params) or not gpu.stash_valid(ctx.stash):
-            # Another forward (other parameter tensors, or the same input geometry) replaced what this one kept:
-            # recompute it from the saved input and parameters.
-            y = torch.empty(ctx.out_shape, dtype=ctx.out_dtype, device=x.device)
-            ResNetEncoder._stage(ctx.entry)
-            ctx.stash = gpu.forward_train(x, y, stream)
+        ctx.stash = _current_stash(ctx.module, ctx.entry, params, ctx.stash, x, ctx.out_shape, ctx.out_dtype, stream)
         dy = dy.to(ctx.out_dtype).contiguous()
         sizes = [p.numel() for p in params]
         grads = torch.empty(sum(sizes), dtype=torch.float32, device=x.device)
@@ -98,12 +104,10 @@ class _StagedStep:
 
     def begin(self, dy: torch.Tensor) -> None:
         """Before the first stage: the buffers, and the forward again if another one replaced its stash."""
-        gpu, x = self.entry[0], self.x
+        x = self.x
         self.stream = _cuda_stream(x.device)
-        if self.module._bind(self.entry, self.params) or not gpu.stash_valid(self.stash):
-            y = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
-            ResNetEncoder._stage(self.entry)
-            self.stash = gpu.forward_train(x, y, self.stream)
+        self.stash = _current_stash(self.module, self.entry, self.params, self.stash, x, self.out_shape,
+                                    self.out_dtype, self.stream)
         self.dy = dy.to(self.out_dtype).contiguous()
         self.grads = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32, device=x.device)
         self.dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if self.need_dx else None
