@@ -2,11 +2,13 @@
 over several GPUs (one process per GPU, NCCL, NVLink multicast off), same run: what the all-reduce adds to the step
 when kfuse's gradients reach DDP, with DDP's defaults, with gradient_as_bucket_view=True (the gradients are views
 of DDP's buckets: no copy of each gradient into its bucket and back) and, for kfuse, with each block's gradients
-released as its backward finishes (gradient_release="per_block", 2 MB buckets: the all-reduce overlaps the backward). With --timeline, rank 0 of each configuration
+released as its backward finishes (gradient_release="per_block", 2 MB buckets: the all-reduce overlaps the backward)
+and with kfuse.DistributedDataParallel (the encoder's gradients averaged in one all-reduce of their buffer, not
+parameter by parameter through DDP's hooks). With --timeline, rank 0 of each configuration
 then prints one step's device timeline (torch.profiler): the step's span, the device's busy time, every idle gap,
 the kernels per stream and when the all-reduce ran against the backward's last kernel.
 Usage (GPU machine with >= 2 GPUs):
-    bash scripts/gpu_run.sh --exec "python3 scripts/ddp_step.py [gpus=2] [impl=kfuse|torch-compile] [--timeline]"
+    bash scripts/gpu_run.sh --exec "python3 scripts/ddp_step.py [gpus=2] [impl=kfuse|torch-compile] [--timeline] [--short]"
 """
 import statistics
 import sys
@@ -99,7 +101,10 @@ def _worker(rank: int, world: int, impl: str, store: str, out: str, ddp_args: di
         enc = _encoder(impl, device, release)
         model = enc
         if world > 1:
-            model = torch.nn.parallel.DistributedDataParallel(enc, device_ids=[rank], **(ddp_args or {}))
+            ddp_args = dict(ddp_args or {})
+            wrapper = kfuse.DistributedDataParallel if ddp_args.pop("kfuse_ddp", False) else \
+                torch.nn.parallel.DistributedDataParallel
+            model = wrapper(enc, device_ids=[rank], **ddp_args)
         x = torch.rand(BATCH, 3, 64, 64, device=device).half()
         dy = torch.randn(BATCH, 512, 2, 2, device=device).half()
 
@@ -160,6 +165,9 @@ def main():
     if impl == "kfuse":
         configs.append((f"{gpus} GPUs (DDP, bucket views, 2 MB buckets, per-block release)", gpus,
                         dict(views, bucket_cap_mb=2), "per_block"))
+        configs.append((f"{gpus} GPUs (kfuse.DistributedDataParallel)", gpus, {"kfuse_ddp": True}, "at_end"))
+    if "--short" in sys.argv[1:]:  # the 1-GPU step, DDP's best configuration and kfuse's wrapper
+        configs = [c for c in configs if c[0] == "1 GPU" or "gradient_as_bucket_view)" in c[0] or "kfuse." in c[0]]
     for label, world, ddp_args, release in configs:
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_worker, args=(world, impl, f"{tmp}/store", f"{tmp}/out.pt", ddp_args, release,

@@ -15,11 +15,12 @@ except ImportError as e:  # pragma: no cover - only without a build
 
 from . import reference
 from ._C import CheckpointError
+from .distributed import DistributedDataParallel
 from .encoder import ResNetEncoder
 from .mlp import Activation, FusedMLP
 
 __version__ = "0.1.0"
-__all__ = ["ResNetEncoder", "FusedMLP", "Activation", "CheckpointError", "reference", "device_info", "cuda_available"]
+__all__ = ["ResNetEncoder", "DistributedDataParallel", "FusedMLP", "Activation", "CheckpointError", "reference", "device_info", "cuda_available"]
 
 
 def cuda_available() -> bool:

@@ -67,7 +67,7 @@ class _CudaTrainFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, module, entry, launched, x, *params):
-        ctx.stash, y = launched  # (the forward's stash id, its output): not inputs autograd should see
+        ctx.stash, y, ctx.spec = launched  # (the forward's stash id, output, prepared call): not autograd inputs
         ctx.module, ctx.entry, ctx.out_shape, ctx.out_dtype = module, entry, y.shape, y.dtype
         ctx.save_for_backward(x, *params)
         return y
@@ -83,7 +83,8 @@ class _CudaTrainFunction(torch.autograd.Function):
         sizes = [p.numel() for p in params]
         grads = torch.empty(sum(sizes), dtype=torch.float32, device=x.device)
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[3] else None
-        gpu.backward(ctx.stash, x, dy, grads, dx, stream)
+        gpu.run_backward(ctx.spec, -1, ctx.stash, x.data_ptr(), dy.data_ptr(), grads.data_ptr(),
+                         0 if dx is None else dx.data_ptr(), stream)
         if params[0].dtype != torch.float32:
             grads = grads.to(params[0].dtype)  # one cast for all (the parameters share one dtype)
         out = [g.view(p.shape) if need else None
@@ -96,8 +97,9 @@ class _StagedStep:
     the forward's stash and tensors, then, from the first stage's backward on, dL/dy, the flat float32 gradient
     buffer the stages write and dL/dx."""
 
-    def __init__(self, module, entry, stash, y, x, params, groups):
+    def __init__(self, module, entry, stash, spec, y, x, params, groups):
         self.module, self.entry, self.stash, self.x, self.params, self.groups = module, entry, stash, x, params, groups
+        self.spec = spec
         self.y, self.out_shape, self.out_dtype = y, y.shape, y.dtype
         self.need_dx = x.requires_grad
         self.dy = self.grads = self.dx = None
@@ -113,7 +115,8 @@ class _StagedStep:
         self.dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if self.need_dx else None
 
     def run(self, stage: int) -> None:
-        self.entry[0].backward_stage(stage, self.stash, self.x, self.dy, self.grads, self.dx, self.stream)
+        self.entry[0].run_backward(self.spec, stage, self.stash, self.x.data_ptr(), self.dy.data_ptr(),
+                                   self.grads.data_ptr(), 0 if self.dx is None else self.dx.data_ptr(), self.stream)
 
     def released(self, stage: int, needed) -> list:
         """The gradients stage `stage` finalized, as its node's outputs: views of the flat buffer in the parameters'
@@ -405,17 +408,17 @@ class ResNetEncoder(reference.ResNetEncoder):
         stash = gpu.run_train(spec, x.data_ptr(), y.data_ptr(), stream)
         release = self.__dict__.get("gradient_release", "at_end")
         if release == "at_end":
-            return _CudaTrainFunction.apply(self, entry, (stash, y), x, *params)
+            return _CudaTrainFunction.apply(self, entry, (stash, y, spec), x, *params)
         if release != "per_block":
             raise ValueError(f"gradient_release must be one of {self.GRADIENT_RELEASE}, got {release!r}")
-        return self._staged_backward_chain(entry, stash, y, x, params)
+        return self._staged_backward_chain(entry, stash, spec, y, x, params)
 
-    def _staged_backward_chain(self, entry, stash, y, x, params):
+    def _staged_backward_chain(self, entry, stash, spec, y, x, params):
         """y as the end of a chain of _CudaTrainStage nodes, one per backward stage (stem first)."""
         if entry[5] is None:
             entry[5] = _stage_groups(self.config, params)
         groups = entry[5]
-        step = _StagedStep(self, entry, stash, y, x, params, groups)
+        step = _StagedStep(self, entry, stash, spec, y, x, params, groups)
         link = x
         for stage in range(len(groups) - 1, -1, -1):
             link = _CudaTrainStage.apply(step, stage, link, *[params[i] for _, run in groups[stage] for i in run])

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import reference
+from .distributed import DistributedDataParallel
 from .encoder import ResNetEncoder
 
 __all__ = ["Policy", "SyntheticEnvs", "RolloutStorage", "PPOTrainer", "PPOConfig", "compute_gae", "masked_lstm", "Actor", "ppo_terms"]
@@ -311,8 +312,9 @@ class PPOTrainer:
         if distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             # (gradient_as_bucket_view: the gradients are views of DDP's buckets, read in place by the all-reduce,
-            # instead of a copy of each into its bucket and another back after it)
-            self.ddp = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids, gradient_as_bucket_view=True)
+            # instead of a copy of each into its bucket and another back after it; kfuse's wrapper averages a kfuse
+            # encoder's gradients in one all-reduce of their buffer instead, and is DDP for everything else)
+            self.ddp = DistributedDataParallel(policy, device_ids=ids, gradient_as_bucket_view=True)
         self.envs = SyntheticEnvs(num_envs, self.device, seed + 1000 * self.rank)
         self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 1 + 1000 * self.rank)
         self.params = [q for q in policy.parameters() if q.requires_grad]

@@ -265,6 +265,26 @@ void run_encoder_backward(EncoderGpu& e, int stage, uint64_t stash, const Array&
   else e.backward_stage(stage, stash, xv, dyv, g, dxv ? &*dxv : nullptr, s);
 }
 
+// run_encoder_backward on data pointers: the views are those of the forward's prepared call (`spec`: x as it was
+// given, y as allocated) on other pointers; dy like y, dx a contiguous tensor like x, grads the flat float32 buffer.
+// The autograd nodes allocate all of them themselves, and the four DLPack exports per call cost ~0.1 ms of host.
+void run_encoder_backward_ptrs(EncoderGpu& e, const CallSpec& spec, int stage, uint64_t stash, uintptr_t x,
+                               uintptr_t dy, uintptr_t grads, uintptr_t dx, uintptr_t stream) {
+  const CallSpec c = spec.on(x, dy);
+  std::optional<DeviceTensorView> dxv;
+  if (dx) {
+    dxv = c.x;
+    dxv->data = reinterpret_cast<void*>(dx);
+    int64_t stride = 1;
+    for (size_t i = dxv->shape.size(); i-- > 0;) dxv->strides[i] = stride, stride *= dxv->shape[i];
+  }
+  nb::gil_scoped_release release;
+  float* const g = reinterpret_cast<float*>(grads);
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (stage < 0) e.backward(stash, c.x, c.y, g, dxv ? &*dxv : nullptr, s);
+  else e.backward_stage(stage, stash, c.x, c.y, g, dxv ? &*dxv : nullptr, s);
+}
+
 }  // namespace
 }  // namespace kfuse
 #endif
@@ -444,6 +464,10 @@ void bind_encoder_training(nb::class_<EncoderGpu>& encoder) {
            "stage"_a, "stash"_a, "x"_a, "dy"_a, "grads"_a, "dx"_a.none(), "stream"_a,
            "One stage of the backward (0 = the last block's, ..., backward_stages - 1 = the stem's), backward's "
            "arguments; run all in order")
+      .def("run_backward", &run_encoder_backward_ptrs, "spec"_a, "stage"_a, "stash"_a, "x_ptr"_a, "dy_ptr"_a,
+           "grads_ptr"_a, "dx_ptr"_a, "stream"_a,
+           "backward() (stage < 0) or backward_stage() on data pointers: x like the forward's prepared call's input, "
+           "dy like its output, dx (0: none) a contiguous tensor like x, grads the flat float32 gradient buffer")
       .def_prop_ro("backward_stages", &EncoderGpu::backward_stages)
       .def("backward_stage_of_parameters", &EncoderGpu::backward_stage_of_parameters,
            "Per parameter (param_specs order): the backward stage after which its gradient is final")

@@ -15,7 +15,7 @@ namespace kfuse {
 
 using namespace train_detail;
 
-namespace {
+namespace train_detail {
 
 struct BlockConvs {
   WgradChoice wgrad2, wgrad1;  // conv2; conv1 [+ shortcut]
@@ -37,6 +37,19 @@ struct BackwardPlan {
   std::vector<int> job_first;
   size_t scratch = 0;  // bytes of the largest workspace
 };
+
+}  // namespace train_detail
+
+// Plans by key (LaunchGraphCache::Key of the backward without its stage range), made in one epoch of the training
+// graph cache: everything a plan holds is baked into the captured launches too, so whatever makes those stale clears
+// the cache and with it the plans.
+struct BackwardPlanCache {
+  static constexpr size_t kMaxPlans = 32;
+  uint64_t epoch = ~uint64_t(0);
+  std::map<LaunchGraphCache::Key, BackwardPlan> plans;
+};
+
+namespace {
 
 float* grad_of(const TrainingState& t, float* grads, const std::string& name) {
   return grads + t.grad_offset[param_index(t, name)];
@@ -345,6 +358,27 @@ void launch_backward_stages(EncoderGpu::Impl& m, TrainingState& t, TrainBuffers&
   }
 }
 
+// The plan of a backward call keyed `key` (geometry and caller's pointers): made on first sight, then reused while
+// the training graphs' epoch lasts (a staged backward asks once per stage).
+const BackwardPlan& planned_backward(EncoderGpu::Impl& m, TrainingState& t, TrainBuffers& tb, const Geometry& g,
+                                     const DeviceTensorView& x, const DeviceTensorView& dy, float* grads,
+                                     const DeviceTensorView* dx, const LaunchGraphCache::Key& key) {
+  if (!t.backward_plans) t.backward_plans = std::make_shared<BackwardPlanCache>();
+  BackwardPlanCache& cache = *t.backward_plans;
+  if (cache.epoch != m.train_graphs.epoch() || cache.plans.size() >= BackwardPlanCache::kMaxPlans) {
+    cache.plans.clear();
+    cache.epoch = m.train_graphs.epoch();
+  }
+  if (const auto it = cache.plans.find(key); it != cache.plans.end()) return it->second;
+  BackwardPlan plan;
+  plan.probs = geometry_problems(m, g);
+  plan.convs = choose_backward_convs(m, t, plan.probs);
+  plan_blocks(m, t, tb, g, dy, grads, plan);
+  plan_stem(m, t, tb, x, dx, grads, plan);
+  plan_gradient_jobs(m, t, tb, grads, plan);
+  return cache.plans.emplace(key, std::move(plan)).first->second;
+}
+
 // backward() and backward_stage(): stages first .. last, planned, then launched (replayed as a CUDA graph per
 // geometry, caller's pointers and stage range).
 void run_backward(EncoderGpu::Impl& m, uint64_t stash, const DeviceTensorView& x, const DeviceTensorView& dy,
@@ -360,14 +394,6 @@ void run_backward(EncoderGpu::Impl& m, uint64_t stash, const DeviceTensorView& x
   tb.next_stage = last + 1;
   EncoderGpu::Impl::Device scope(m.device);
 
-  BackwardPlan plan;
-  plan.probs = geometry_problems(m, g);
-  plan.convs = choose_backward_convs(m, t, plan.probs);
-  plan_blocks(m, t, tb, g, dy, grads, plan);
-  plan_stem(m, t, tb, x, dx, grads, plan);
-  plan_gradient_jobs(m, t, tb, grads, plan);
-  provide_backward_memory(m, t, plan, stream);
-
   LaunchGraphCache::Key key{kBackwardGraph,
                             g.n,
                             g.h,
@@ -378,10 +404,12 @@ void run_backward(EncoderGpu::Impl& m, uint64_t stash, const DeviceTensorView& x
                             int64_t(dy.dtype),
                             reinterpret_cast<int64_t>(grads),
                             dx ? reinterpret_cast<int64_t>(dx->data) : 0,
-                            dx ? int64_t(dx->dtype) : -1,
-                            first,
-                            last};
+                            dx ? int64_t(dx->dtype) : -1};
   key.insert(key.end(), x.strides.begin(), x.strides.end());
+  const BackwardPlan& plan = planned_backward(m, t, tb, g, x, dy, grads, dx, key);
+  provide_backward_memory(m, t, plan, stream);
+  key.push_back(first);  // the graph's key: the plan's and the stage range
+  key.push_back(last);
   m.ensure_side_stream();
   ensure_wgrad_events(t, m.blocks.size());
   // The launches go to the lambda's stream: the caller's, or the capture stream when the graph is recorded.

@@ -117,6 +117,7 @@ void LaunchGraphCache::clear() {
   for (auto& [k, e] : entries_)
     if (e.exec) cudaGraphExecDestroy(e.exec);
   entries_.clear();
+  ++epoch_;
 }
 
 size_t LaunchGraphCache::graph_count() const {

@@ -45,6 +45,9 @@ class LaunchGraphCache {
   // eagerly from then on, with one warning on stderr. `enabled` false: always eager (and nothing is remembered).
   void run(const Key& key, cudaStream_t stream, const Launch& launch, bool enabled = true);
   void clear();
+  // Counts the clear() calls: whatever the owner derived from the state that a clear invalidates (e.g. a launch
+  // plan) is current while the epoch it was made in is.
+  uint64_t epoch() const { return epoch_; }
   void set_capacity(size_t capacity) { capacity_ = capacity; }
   size_t graph_count() const;
 
@@ -58,6 +61,7 @@ class LaunchGraphCache {
   void evict_oldest(bool graphs_only, size_t limit);
   std::map<Key, Entry> entries_;
   size_t capacity_;
+  uint64_t epoch_ = 0;
   uint64_t clock_ = 0;
 };
 

@@ -4,12 +4,20 @@ autograd exactly the gradients its stage finalized (the stage map of EncoderConf
 in the parameters' dtype; dL/dx from the stem's stage; accumulation over calls; in-place changes detected. The CUDA
 engine's stages themselves are checked on the GPU (test_gpu_gradient_release.py)."""
 
+import ctypes
+
 import pytest
 import torch
 
 import kfuse
 from kfuse import _C
 from kfuse import encoder as encoder_module
+
+
+def _tensor_at(ptr, shape, dtype):
+    """A CPU tensor over the memory at `ptr` (the stand-in receives data pointers, as the CUDA engine does)."""
+    n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer((ctypes.c_byte * n).from_address(ptr), dtype=dtype).view(shape)
 
 
 class StandInEngine:
@@ -23,6 +31,14 @@ class StandInEngine:
 
     def stash_valid(self, stash):
         return True
+
+    def run_backward(self, spec, stage, stash, x_ptr, dy_ptr, grads_ptr, dx_ptr, stream):
+        """EncoderGpu.run_backward's pointers as CPU tensors (spec here: the (shape, dtype) of y and of x), for
+        backward_stage."""
+        (y_shape, y_dtype), (x_shape, x_dtype) = spec
+        dx = _tensor_at(dx_ptr, x_shape, x_dtype) if dx_ptr else None
+        self.backward_stage(stage, stash, _tensor_at(x_ptr, x_shape, x_dtype), _tensor_at(dy_ptr, y_shape, y_dtype),
+                            _tensor_at(grads_ptr, (sum(self.sizes),), torch.float32), dx, stream)
 
     def backward_stage(self, stage, stash, x, dy, grads, dx, stream):
         self.stages.append(stage)
@@ -42,7 +58,8 @@ def staged_output(enc, x, dtype=torch.float32):
     engine = StandInEngine(enc.config, params)
     entry = [engine, list(map(torch.Tensor.data_ptr, params)), None, None, None, None]
     y = torch.randn(x.shape[0], 512, 2, 2).to(dtype)
-    return enc._staged_backward_chain(entry, 1, y, x, params), engine, params
+    spec = ((y.shape, y.dtype), (x.shape, x.dtype))
+    return enc._staged_backward_chain(entry, 1, spec, y, x, params), engine, params
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,136 @@
+"""CPU tier: kfuse.DistributedDataParallel over two processes (gloo on the CPU; NCCL runs the same calls on GPUs)
+against torch's DistributedDataParallel on the same models and inputs: rank 0's parameters on every rank after
+construction, and after each backward the same averaged gradients (the same sums of the same halves, so equal up
+to float32 rounding order) on both wrappers and both ranks: with the gradients set to None before the backward (kfuse
+reduces one flat tensor) and accumulated into (a packed copy), under no_sync() (no reduction, then the accumulated
+sum reduced by the next synced backward), for a model with layers around the encoder and for the encoder alone
+(where DDP keeps one of its parameters). On CPU the encoder runs the reference; the GPU tier runs the CUDA path."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import kfuse
+from kfuse.bench_rl import quiesce_process_group, spawn_with_deadline
+
+WORLD = 2
+
+
+def _model(kind: str, seed: int, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    enc = kfuse.ResNetEncoder(3, layers=(1, 1, 1, 1))
+    model = enc if kind == "encoder" else torch.nn.Sequential(enc, torch.nn.Flatten(), torch.nn.Linear(512 * 4, 5))
+    return model.to(device, torch.float16) if device.type == "cuda" else model
+
+
+def _grads(model) -> list:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def _run(wrapper, kind: str, rank: int, device: torch.device) -> dict:
+    model = _model(kind, seed=11 + rank, device=device)  # each rank starts elsewhere: the wrapper broadcasts rank 0's
+    ddp = wrapper(model, device_ids=[device.index] if device.type == "cuda" else None)
+    start = [p.detach().clone() for p in model.parameters()]
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    batches = [torch.rand(2, 3, 64, 64, generator=gen).to(device, next(model.parameters()).dtype) for _ in range(4)]
+    out = {"start": start}
+
+    def loss(x):
+        y = ddp(x)
+        return (y.float() * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum()
+
+    model.zero_grad(set_to_none=True)
+    loss(batches[0]).backward()
+    out["fresh"] = _grads(model)  # .grad was None: kfuse's gradients lie in one buffer
+    loss(batches[1]).backward()
+    out["accumulated"] = _grads(model)  # accumulated into the previous ones
+    model.zero_grad(set_to_none=True)
+    with ddp.no_sync():
+        loss(batches[2]).backward()
+    out["no_sync"] = _grads(model)  # local only
+    loss(batches[3]).backward()
+    out["after_no_sync"] = _grads(model)  # local sum of two, then averaged
+    return out
+
+
+def _worker(rank: int, store: str, path: str, device_type: str = "cpu") -> None:
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        from kfuse.bench_rl import nvlink_multicast_off
+
+        nvlink_multicast_off()
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            device_id=device if cuda else None)
+    try:
+        results = {}
+        for kind in ("with_head", "encoder"):
+            results[kind, "torch"] = _run(torch.nn.parallel.DistributedDataParallel, kind, rank, device)
+            results[kind, "kfuse"] = _run(kfuse.DistributedDataParallel, kind, rank, device)
+        results = {k: {s: [None if g is None else g.cpu() for g in v] for s, v in r.items()} for k, r in results.items()}
+        torch.save(results, f"{path}.{rank}")
+        quiesce_process_group()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(tmp, device_type: str = "cpu") -> list:
+    spawn_with_deadline(_worker, (str(tmp / "store"), str(tmp / "out"), device_type), WORLD, timeout_s=300)
+    return [torch.load(f"{tmp / 'out'}.{rank}") for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_workers(tmp_path_factory.mktemp("ddp"))
+
+
+def assert_same_gradients(a: list, b: list, what: str, tol: float = 1e-6) -> None:
+    """Normwise per parameter: float32 sums in another order differ by ~1e-7 relative; a missing or doubled
+    reduction by O(1)."""
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert (x is None) == (y is None), f"{what}: parameter {i}"
+        if x is not None:
+            err = ((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30)).item()
+            assert err <= tol, f"{what}: parameter {i} differs by {err:.2e}"
+
+
+_assert_close = assert_same_gradients
+
+
+@pytest.mark.parametrize("kind", ["with_head", "encoder"])
+@pytest.mark.parametrize("stage", ["start", "fresh", "accumulated", "after_no_sync"])
+def test_same_as_torch_ddp_on_every_rank(results, kind, stage):
+    reference = results[0][kind, "torch"][stage]
+    for rank in range(WORLD):
+        _assert_close(results[rank][kind, "kfuse"][stage], reference, f"rank {rank} {stage}")
+        _assert_close(results[rank][kind, "torch"][stage], reference, f"torch DDP rank {rank} {stage}")
+
+
+@pytest.mark.parametrize("kind", ["with_head", "encoder"])
+def test_no_sync_keeps_local_gradients(results, kind):
+    for rank in range(WORLD):
+        _assert_close(results[rank][kind, "kfuse"]["no_sync"], results[rank][kind, "torch"]["no_sync"],
+                      f"rank {rank}")
+    differ = [not torch.equal(a, b) for a, b in zip(results[0][kind, "kfuse"]["no_sync"],
+                                                    results[1][kind, "kfuse"]["no_sync"]) if a is not None]
+    assert any(differ), "no_sync() gradients are local: the ranks' data differ, so must they"
+
+
+
+def test_one_buffer_view_only_where_the_gradients_lie_back_to_back():
+    """The fast path reduces the buffer in place: it must cover exactly the gradients, in order, and nothing else."""
+    from kfuse.distributed import _one_buffer_view
+
+    flat = torch.arange(10.0)
+    a, b, c = flat[0:4].view(2, 2), flat[4:7], flat[7:10]
+    view = _one_buffer_view([a, b, c])
+    assert view is not None and view.data_ptr() == flat.data_ptr() and view.numel() == 10
+    view.add_(1)
+    assert torch.equal(flat, torch.arange(10.0) + 1)
+    assert _one_buffer_view([flat[4:7], flat[0:4]]) is None  # out of order
+    assert _one_buffer_view([flat[0:4], flat[5:8]]) is None  # a gap
+    assert _one_buffer_view([flat[0:4], torch.zeros(3)]) is None  # another storage
+    assert _one_buffer_view([flat[0:4], flat[4:10].half()]) is None  # another dtype
+    assert _one_buffer_view([flat[0:8].view(2, 4).t()]) is None  # not contiguous
