@@ -56,9 +56,26 @@ const Instance* find_instance(ConvDType dtype, ConvTile tile, bool parallel = fa
   return nullptr;
 }
 
+const Instance* find_e4m3_instance(ConvTile tile) {
+  static const Instance k128x64 = KFUSE_FIXUP_INSTANCE(fixup_e4m3_sm90_128x64);
+  return tile == ConvTile::kSm90_128x64 ? &k128x64 : nullptr;
+}
+
 #undef KFUSE_FIXUP_INSTANCE
 
 }  // namespace
+
+bool conv2d_fprop_fixup_e4m3_can_implement(const Conv2dProblem& problem, ConvTile tile) {
+  const Instance* inst = find_e4m3_instance(tile);
+  return inst != nullptr && problem.c % 16 == 0 && problem.k % 16 == 0 && inst->can_implement(problem, 1);
+}
+
+cudaError_t conv2d_fprop_fixup_e4m3(const Conv2dProblem& problem, ConvTile tile, const void* x, const void* w,
+                                   void* y, const FixupEpilogue& epilogue, cudaStream_t stream) {
+  const Instance* inst = find_e4m3_instance(tile);
+  if (inst == nullptr || !conv2d_fprop_fixup_e4m3_can_implement(problem, tile)) return cudaErrorInvalidValue;
+  return inst->launch(problem, x, w, y, epilogue, 1, nullptr, 0, stream);
+}
 
 bool conv2d_fprop_fixup_can_implement(const Conv2dProblem& problem, ConvDType dtype, ConvTile tile, int split_k) {
   const Instance* inst = find_instance(dtype, tile);
@@ -75,7 +92,7 @@ cudaError_t conv2d_fprop_fixup(const Conv2dProblem& problem, ConvDType dtype, Co
                                const void* w, void* y, const FixupEpilogue& epilogue, int split_k, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream) {
   const Instance* inst = find_instance(dtype, tile);
-  if (inst == nullptr) return cudaErrorInvalidValue;
+  if (inst == nullptr || epilogue.channel_alpha != nullptr) return cudaErrorInvalidValue;
   return inst->launch(problem, x, w, y, epilogue, split_k, workspace, workspace_bytes, stream);
 }
 
@@ -95,7 +112,7 @@ cudaError_t conv2d_fprop_fixup_parallel(const Conv2dProblem& problem, ConvDType 
                                         const void* w, void* y, const FixupEpilogue& epilogue, int split_k,
                                         void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const Instance* inst = find_instance(dtype, tile, /*parallel=*/true);
-  if (inst == nullptr) return cudaErrorInvalidValue;
+  if (inst == nullptr || epilogue.channel_alpha != nullptr) return cudaErrorInvalidValue;
   return inst->launch(problem, x, w, y, epilogue, split_k, workspace, workspace_bytes, stream);
 }
 

@@ -49,6 +49,10 @@ struct FixupEpilogue {
   const float* pre = nullptr;
   const float* post = nullptr;
   bool relu = false;
+  // e4m3 convolutions only (conv2d_fprop_fixup_e4m3), where it is required and alpha must be null: K floats, the
+  // multiplier of output channel k (the dequantization scales s_x * s_w[k], with any FixUp scale folded in); 16-byte
+  // aligned. The fp16 / bf16 launchers refuse a non-null one.
+  const float* channel_alpha = nullptr;
 };
 
 // Host-only check: alignment (C and K multiples of 8), sizes, split_k in [1, 64] (exactly 1 for the kSm90 tiles).
@@ -64,6 +68,15 @@ KFUSE_KERNEL_API cudaError_t conv2d_fprop_fixup(const Conv2dProblem& problem, Co
                                                 const void* x, const void* w, void* y, const FixupEpilogue& epilogue,
                                                 int split_k, void* workspace, size_t workspace_bytes,
                                                 cudaStream_t stream);
+
+// fp8: x and w in e4m3 (one byte per element), y fp16, the epilogue's multiplier per output channel
+// (FixupEpilogue::channel_alpha); fp32 accumulation. Hopper tiles only (CUTLASS 3.x, sm_90a; same device and
+// stride conditions as the kSm90 tiles above), C and K multiples of 16; instances: kSm90_128x64. Same contracts as
+// conv2d_fprop_fixup with split_k 1 and no workspace.
+KFUSE_KERNEL_API bool conv2d_fprop_fixup_e4m3_can_implement(const Conv2dProblem& problem, ConvTile tile);
+KFUSE_KERNEL_API cudaError_t conv2d_fprop_fixup_e4m3(const Conv2dProblem& problem, ConvTile tile, const void* x,
+                                                     const void* w, void* y, const FixupEpilogue& epilogue,
+                                                     cudaStream_t stream);
 
 // Parallel split-K (fixup_split_impl.cuh): the split_k slices of the GEMM K run side by side (grid z = split_k) and
 // store fp32 partial outputs in the workspace, then a reduction pass sums them in order and applies the epilogue,

@@ -1,9 +1,12 @@
 // CUTLASS 3.x Hopper implicit-GEMM conv fprop (TMA im2col + wgmma) with the FixUp epilogue of conv_fixup.h as an
-// sm90 epilogue visitor tree, shared by the fixup_f16_sm90_*.cu files: each stamps out one CTA tile with
+// sm90 epilogue visitor tree, shared by the fixup_{f16,e4m3}_sm90_*.cu files: each stamps out one CTA tile with
 // KFUSE_FIXUP_SM90_DEFINE_INSTANCE, so every CUTLASS instantiation is compiled in its own TU (sm_90a only).
-// fp16 NHWC x KRSC -> NPQK, fp32 accumulate; no split-K (the 3.x conv kernel has none).
+// fp16 or e4m3 NHWC x KRSC -> fp16 NPQK, fp32 accumulate; no split-K (the 3.x conv kernel has none).
 //
 //   D = post + max(alpha * acc + pre, floor),   floor = 0 (relu) or -inf (identity)
+//
+// With e4m3 operands alpha is a vector over the output channels (FixupEpilogue::channel_alpha: the dequantization
+// scales s_x * s_w[k], with any FixUp scale folded in), a row broadcast of the GEMM (M = pixels, N = channels).
 //
 // Every scalar is an Sm90ScalarBroadcast: the kernel reads alpha / pre / post through their device pointers (so a
 // captured CUDA graph sees their current values) and falls back to the host value when a pointer is null, which
@@ -135,23 +138,28 @@ inline bool problem_is_sane(const Conv2dProblem& p, int split_k) {
 // Stages = 0: as many pipeline stages as shared memory holds (one CTA per SM); a fixed count leaves room for more
 // CTAs per SM. A cluster of ClusterM x ClusterN CTAs multicasts the shared operand tiles through TMA, cutting the L2
 // traffic of the late layers, whose small grids re-read the same weights and activations from every CTA.
-template <int TileM, int TileN, int ClusterM = 1, int ClusterN = 1, int Stages = 0>
+template <int TileM, int TileN, int ClusterM = 1, int ClusterN = 1, int Stages = 0, class ElementIn = cutlass::half_t>
 struct FixupConvSm90 {
-  using Element = cutlass::half_t;
+  using Element = cutlass::half_t;  // the output's
   using ElementAcc = float;
   using ElementCompute = float;
   using Layout = cutlass::layout::TensorNHWC;  // KRSC filters are "NHWC" to CUTLASS as well
-  static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 8 elements = 16 B (TMA)
+  static constexpr bool kFp8 = cutlass::sizeof_bits<ElementIn>::value == 8;
+  static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;      // 8 elements = 16 B (TMA)
+  static constexpr int kAlignIn = 128 / cutlass::sizeof_bits<ElementIn>::value;  // 16 B: 8 fp16 or 16 e4m3
 
-  using TileShape = Shape<Int<TileM>, Int<TileN>, Shape<_64>>;
+  // K tile: 128 bytes of channels per row (64 fp16, 128 e4m3), the swizzle width
+  using TileShape = Shape<Int<TileM>, Int<TileN>, Shape<Int<kFp8 ? 128 : 64>>>;
   using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
 
   static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
   using Scalar = fusion::Sm90ScalarBroadcast<ElementCompute>;
+  using ChannelVector = fusion::Sm90RowBroadcast<0, TileShape, ElementCompute, ElementCompute>;
+  using Alpha = std::conditional_t<kFp8, ChannelVector, Scalar>;
   // alpha * acc + pre
   using Affine = fusion::Sm90EVT<
       fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementCompute, ElementCompute, kRound>,
-      Scalar, fusion::Sm90AccFetch, Scalar>;
+      Alpha, fusion::Sm90AccFetch, Scalar>;
   // max(alpha * acc + pre, floor)
   using Act = fusion::Sm90EVT<fusion::Sm90Compute<MaxPropagateNaN, ElementCompute, ElementCompute, kRound>,
                               Affine, Scalar>;
@@ -168,7 +176,7 @@ struct FixupConvSm90 {
 
   using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::conv::Operator::kFprop,
-      Element, Layout, kAlign, Element, Layout, kAlign, ElementAcc, TileShape, ClusterShape,
+      ElementIn, Layout, kAlignIn, ElementIn, Layout, kAlignIn, ElementAcc, TileShape, ClusterShape,
       std::conditional_t<Stages == 0,
                          cutlass::conv::collective::StageCountAutoCarveout<
                              static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -206,7 +214,7 @@ struct FixupConvSm90 {
       cute::get<0, i>(stride_d) = shape.stride_C[ProblemShape::RankT - 2 - i];
     });
 
-    typename ConvKernel::MainloopArguments mainloop{static_cast<const Element*>(x), static_cast<const Element*>(w)};
+    typename ConvKernel::MainloopArguments mainloop{static_cast<const ElementIn*>(x), static_cast<const ElementIn*>(w)};
 
     // A null pointer makes Sm90ScalarBroadcast use the value next to it: 1 / 0 / 0 as conv_fixup.h specifies.
     auto scalar = [](const float* ptr, float fallback) {
@@ -216,11 +224,16 @@ struct FixupConvSm90 {
       return a;
     };
     const float floor = e.relu ? 0.0f : -std::numeric_limits<float>::infinity();
+    typename Alpha::Arguments alpha{};
+    if constexpr (kFp8) {
+      alpha.ptr_row = e.channel_alpha;  // null only in can_implement's probe (the launch refuses it)
+      alpha.null_default = 1.0f;
+    } else {
+      alpha = scalar(e.alpha, 1.0f);
+    }
     // Nested as the tree: {children..., node op}; Sm90Compute's op arguments are empty.
     typename FusionOp::Arguments thread{
-        scalar(e.post, 0.0f),
-        {{scalar(e.alpha, 1.0f), {}, scalar(e.pre, 0.0f), {}}, scalar(nullptr, floor), {}},
-        {}};
+        scalar(e.post, 0.0f), {{alpha, {}, scalar(e.pre, 0.0f), {}}, scalar(nullptr, floor), {}}, {}};
 
     typename ConvKernel::EpilogueArguments epilogue{thread, nullptr, stride_c, static_cast<Element*>(y), stride_d};
 
@@ -260,6 +273,10 @@ struct FixupConvSm90 {
                             cudaStream_t stream) {
     if (!can_implement(problem, split_k)) return cudaErrorInvalidValue;
     if (x == nullptr || w == nullptr || y == nullptr) return cudaErrorInvalidValue;
+    // e4m3: the per-channel scales, and no scalar alpha beside them; fp16: no per-channel scales to ignore
+    if (kFp8 ? (epilogue.channel_alpha == nullptr || epilogue.alpha != nullptr) : epilogue.channel_alpha != nullptr)
+      return cudaErrorInvalidValue;
+    if (kFp8 && !aligned16(epilogue.channel_alpha)) return cudaErrorInvalidValue;
     // TMA descriptors need 16-byte aligned base addresses; encoding failures are only asserted (off under NDEBUG).
     if (!aligned16(x) || !aligned16(w) || !aligned16(y)) return cudaErrorInvalidValue;
     if (const cudaError_t err = check_device(); err != cudaSuccess) return err;
