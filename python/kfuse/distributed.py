@@ -87,6 +87,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def __init__(self, module: torch.nn.Module, *args, **kwargs):
         encoders = [(prefix, m) for prefix, m in module.named_modules() if isinstance(m, ResNetEncoder)]
         owned = {f"{prefix}.{n}" if prefix else n: p for prefix, m in encoders for n, p in m.named_parameters()}
+        had_ignored = hasattr(module, "_ddp_params_and_buffers_to_ignore")
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
         if owned and not any(p.requires_grad for n, p in module.named_parameters() if n not in set(owned) | ignored):
             # DDP refuses a model with no trainable parameter of its own: it keeps one, the last of an encoder's
@@ -96,7 +97,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             del owned[next(n for n, p in owned.items() if p is last)]
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             module, sorted(ignored | set(owned)))
-        super().__init__(module, *args, **kwargs)
+        try:
+            super().__init__(module, *args, **kwargs)
+        finally:  # DDP read the list in its constructor; left on the module, a later plain DDP would skip these
+            if had_ignored:
+                module._ddp_params_and_buffers_to_ignore = sorted(ignored)
+            else:
+                del module._ddp_params_and_buffers_to_ignore
         self._kfuse_sync = True
         src = dist.get_global_rank(self.process_group, 0)
         with torch.no_grad():  # DDP broadcasts rank 0's parameters but not the ones it ignores

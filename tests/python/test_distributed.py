@@ -134,3 +134,18 @@ def test_one_buffer_view_only_where_the_gradients_lie_back_to_back():
     assert _one_buffer_view([flat[0:4], torch.zeros(3)]) is None  # another storage
     assert _one_buffer_view([flat[0:4], flat[4:10].half()]) is None  # another dtype
     assert _one_buffer_view([flat[0:8].view(2, 4).t()]) is None  # not contiguous
+
+
+def test_the_model_is_left_as_it_was_for_a_later_plain_ddp(tmp_path):
+    """The parameters kfuse reduces are hidden from DDP only inside the wrapper's construction: left on the module,
+    a plain DistributedDataParallel made later would never average them (one process group of one here)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _model("with_head", seed=1, device=torch.device("cpu"))
+        kfuse.DistributedDataParallel(model)
+        assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")
+        model._ddp_params_and_buffers_to_ignore = ["2.bias"]
+        kfuse.DistributedDataParallel(model)
+        assert model._ddp_params_and_buffers_to_ignore == ["2.bias"]
+    finally:
+        dist.destroy_process_group()
