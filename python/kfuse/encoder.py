@@ -518,6 +518,9 @@ class ResNetEncoder(reference.ResNetEncoder):
         ptrs = list(map(_DATA_PTR, params))
         if entry[1] == ptrs:
             return False
+        for (name, shape), p in zip(_C.param_specs(entry[0].config), params):  # the engine reads shape's bytes
+            if tuple(p.shape) != tuple(shape):
+                raise ValueError(f"parameter {name} has shape {tuple(p.shape)}, but the network needs {tuple(shape)}")
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _PARAM_DTYPE_NAMES:
             raise ValueError("the encoder's parameters must share one dtype of float32, float16 or bfloat16; got "

@@ -469,6 +469,8 @@ void bind_encoder_training(nb::class_<EncoderGpu>& encoder) {
            "backward() (stage < 0) or backward_stage() on data pointers: x like the forward's prepared call's input, "
            "dy like its output, dx (0: none) a contiguous tensor like x, grads the flat float32 gradient buffer")
       .def_prop_ro("backward_stages", &EncoderGpu::backward_stages)
+      .def_prop_ro("config", [](const EncoderGpu& e) { return from_config(e.config()); },
+                   "(in_channels, base_planes, layers) of the network the engine runs")
       .def("backward_stage_of_parameters", &EncoderGpu::backward_stage_of_parameters,
            "Per parameter (param_specs order): the backward stage after which its gradient is final")
       .def("set_use_graphs", &EncoderGpu::set_use_graphs, "on"_a)

@@ -85,6 +85,66 @@ def results(tmp_path_factory):
     return run_workers(tmp_path_factory.mktemp("ddp"))
 
 
+def _edge_step(scenario: str, rank: int) -> list:
+    """One step of a pattern that must still leave every rank with the same gradients (each rank its own data)."""
+    model = _model("with_head", seed=21, device=torch.device("cpu"))
+    enc = model[0]
+    if scenario == "tied":  # one parameter in two places of the encoder
+        enc.layers[1][0].fixup_scale = enc.layers[0][0].fixup_scale
+    ddp = kfuse.DistributedDataParallel(model)
+    if scenario == "frozen_later":  # fine-tuning: a parameter frozen after the wrapper was made
+        enc.layers[0][0].conv1.weight.requires_grad_(False)
+    gen = torch.Generator().manual_seed(200 + rank)
+    x, x_next = (torch.rand(2, 3, 64, 64, generator=gen) for _ in range(2))
+    model.zero_grad(set_to_none=True)
+    y = ddp(x)
+    if scenario == "no_grad_forward_between":  # a bootstrap value before the backward
+        with torch.no_grad():
+            ddp(x_next)
+    y.square().mean().backward()
+    if scenario == "second_backward_on_part":  # a penalty on some encoder parameters, its own backward
+        (enc.layers[3][0].fixup_bias2b * rank + enc.stem[1].weight.sum() * (1 + rank)).sum().backward()
+    return _grads(model)
+
+
+EDGE_SCENARIOS = ("no_grad_forward_between", "tied", "frozen_later", "second_backward_on_part")
+
+
+def _edge_worker(rank: int, store: str, path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        torch.save({s: _edge_step(s, rank) for s in EDGE_SCENARIOS}, f"{path}.{rank}")
+        quiesce_process_group()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def edge_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp_edge")
+    spawn_with_deadline(_edge_worker, (str(tmp / "store"), str(tmp / "out")), WORLD, timeout_s=300)
+    return [torch.load(f"{tmp / 'out'}.{rank}") for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("scenario", EDGE_SCENARIOS)
+def test_ranks_agree_in_the_patterns_users_write(edge_results, scenario):
+    """A no-grad forward between a forward and its backward, a tied parameter, a parameter frozen after wrapping, a
+    second backward over part of the encoder: every rank must end with the same (averaged) gradients."""
+    a, b = edge_results[0][scenario], edge_results[1][scenario]
+    assert_same_gradients(a, b, scenario)
+    assert any(g is not None for g in a)
+
+
+def test_find_unused_parameters_is_refused(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="find_unused_parameters"):
+            kfuse.DistributedDataParallel(_model("with_head", seed=1, device=torch.device("cpu")),
+                                          find_unused_parameters=True)
+    finally:
+        dist.destroy_process_group()
+
+
 def assert_same_gradients(a: list, b: list, what: str, tol: float = 1e-6) -> None:
     """Normwise per parameter: float32 sums in another order differ by ~1e-7 relative; a missing or doubled
     reduction by O(1)."""

@@ -342,6 +342,19 @@ def test_training_errors_are_clear(make_reference):
         enc(torch.rand(2, 3, 64, 64, device="cuda"))
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_a_parameter_of_another_shape_is_refused_by_name(make_reference, train):
+    """The engine reads each parameter's bytes by the network's shapes: a replaced parameter of another size would
+    be read out of bounds (or short), so binding refuses it."""
+    enc = kfuse.ResNetEncoder.from_torch(make_reference(in_channels=3, seed=55)).cuda().train(train)
+    x = torch.rand(2, 3, 64, 64, device="cuda")
+    with torch.set_grad_enabled(train):
+        enc(x)
+        enc.layers[1][0].conv2.weight = torch.nn.Parameter(torch.randn(128, 128, 1, 1, device="cuda"))
+        with pytest.raises(ValueError, match=r"layers\.1\.0\.conv2\.weight has shape \(128, 128, 1, 1\)"):
+            enc(x)
+
+
 def test_training_graphs_replay_the_eager_step(make_reference):
     """The training forward and backward run eagerly the first time per (geometry, pointers), are captured as CUDA
     graphs the second time and replayed after: every run, on fresh inputs and NaN-poisoned outputs, must give what
