@@ -38,14 +38,12 @@ inline size_t act_elems(const Conv2dProblem& p) { return size_t(p.n) * p.h * p.w
 inline size_t grad_elems(const Conv2dProblem& p) { return size_t(p.n) * p.p() * p.q() * p.k; }
 inline size_t filter_elems(const Conv2dProblem& p) { return size_t(p.k) * p.r * p.s * p.c; }
 
-// float64 forward with the FixUp epilogue: post + act(alpha * conv(x, w) + pre), act = relu if `relu`.
-inline std::vector<double> reference_fprop_fixup(const Conv2dProblem& p, const std::vector<uint16_t>& x,
-                                                 const std::vector<uint16_t>& w, ConvDType dt, double alpha,
-                                                 double pre, double post, bool relu) {
+// float64 forward on decoded values with a multiplier per output channel: post + act(alpha[k] * conv(x, w) + pre),
+// act = relu if `relu`.
+inline std::vector<double> reference_fprop_scaled(const Conv2dProblem& p, const std::vector<double>& xd,
+                                                  const std::vector<double>& wd, const std::vector<double>& alpha,
+                                                  double pre, double post, bool relu) {
   const int P = p.p(), Q = p.q();
-  std::vector<double> xd(x.size()), wd(w.size());
-  for (size_t i = 0; i < x.size(); ++i) xd[i] = bits_to_float(x[i], dt);
-  for (size_t i = 0; i < w.size(); ++i) wd[i] = bits_to_float(w[i], dt);
   std::vector<double> y(grad_elems(p));
   for (int n = 0; n < p.n; ++n)
     for (int op = 0; op < P; ++op)
@@ -63,11 +61,21 @@ inline std::vector<double> reference_fprop_fixup(const Conv2dProblem& p, const s
               for (int ci = 0; ci < p.c; ++ci) acc += xs[ci] * ws[ci];
             }
           }
-          double v = alpha * acc + pre;
+          double v = alpha[size_t(k)] * acc + pre;
           if (relu && v < 0.0) v = 0.0;
           y[((size_t(n) * P + op) * Q + oq) * p.k + k] = post + v;
         }
   return y;
+}
+
+// float64 forward with the FixUp epilogue: post + act(alpha * conv(x, w) + pre), act = relu if `relu`.
+inline std::vector<double> reference_fprop_fixup(const Conv2dProblem& p, const std::vector<uint16_t>& x,
+                                                 const std::vector<uint16_t>& w, ConvDType dt, double alpha,
+                                                 double pre, double post, bool relu) {
+  std::vector<double> xd(x.size()), wd(w.size());
+  for (size_t i = 0; i < x.size(); ++i) xd[i] = bits_to_float(x[i], dt);
+  for (size_t i = 0; i < w.size(); ++i) wd[i] = bits_to_float(w[i], dt);
+  return reference_fprop_scaled(p, xd, wd, std::vector<double>(size_t(p.k), alpha), pre, post, relu);
 }
 
 // float64 weight gradient, NPQK (dy) x NHWC (x) -> KRSC, zero padding, cross-correlation.

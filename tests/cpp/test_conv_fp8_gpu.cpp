@@ -48,32 +48,11 @@ std::vector<uint8_t> random_e4m3(size_t n, std::mt19937& rng, float lo, float hi
 
 std::vector<double> reference_e4m3(const Conv2dProblem& p, const std::vector<uint8_t>& x, const std::vector<uint8_t>& w,
                                    const std::vector<float>& channel_alpha, double pre, double post, bool relu) {
-  const int P = p.p(), Q = p.q();
   std::vector<double> xd(x.size()), wd(w.size());
   for (size_t i = 0; i < x.size(); ++i) xd[i] = e4m3_value(x[i]);
   for (size_t i = 0; i < w.size(); ++i) wd[i] = e4m3_value(w[i]);
-  std::vector<double> y(kfuse::testing::grad_elems(p));
-  for (int n = 0; n < p.n; ++n)
-    for (int op = 0; op < P; ++op)
-      for (int oq = 0; oq < Q; ++oq)
-        for (int k = 0; k < p.k; ++k) {
-          double acc = 0.0;
-          for (int r = 0; r < p.r; ++r) {
-            const int ih = op * p.stride_h - p.pad_h + r;
-            if (ih < 0 || ih >= p.h) continue;
-            for (int s = 0; s < p.s; ++s) {
-              const int iw = oq * p.stride_w - p.pad_w + s;
-              if (iw < 0 || iw >= p.w) continue;
-              const double* xs = &xd[((size_t(n) * p.h + ih) * p.w + iw) * p.c];
-              const double* ws = &wd[((size_t(k) * p.r + r) * p.s + s) * p.c];
-              for (int ci = 0; ci < p.c; ++ci) acc += xs[ci] * ws[ci];
-            }
-          }
-          double v = double(channel_alpha[k]) * acc + pre;
-          if (relu && v < 0.0) v = 0.0;
-          y[((size_t(n) * P + op) * Q + oq) * p.k + k] = post + v;
-        }
-  return y;
+  const std::vector<double> alpha(channel_alpha.begin(), channel_alpha.end());
+  return kfuse::testing::reference_fprop_scaled(p, xd, wd, alpha, pre, post, relu);
 }
 
 struct Fp8Case {
