@@ -1,18 +1,19 @@
 """GPU kernels of the first batch-128 inference after a weight change: every parameter written through
 p.data.copy_ from fp32 master weights (the RL optimizer's pattern), then one forward, which finds the change and
 repacks (packed layouts, the unrolled dense filter, the squeeze projection). Runs on the GPU machine:
-    bash scripts/gpu_run.sh --exec "python3 scripts/profile_weight_update.py [N]"
+    bash scripts/gpu_run.sh --exec "python3 scripts/profile_weight_update.py [N] [--timeline]"
 The writes' own copy kernels are listed too (torch's elementwise kernels); kfuse's are the rest."""
 import sys
 
 import torch
 
 import kfuse
-from kernel_profile import kernel_times
+from kernel_profile import kernel_times, print_timeline
 
 
 def main():
-    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    args = [a for a in sys.argv[1:] if a != "--timeline"]
+    batch = int(args[0]) if args else 128
     model = kfuse.ResNetEncoder.default_network(3).cuda().half().eval()
     x = torch.randn(batch, 3, 64, 64, device="cuda").half()
     params = list(model.parameters())
@@ -31,10 +32,13 @@ def main():
             turn[0] += 1
             model(x)
 
-    total, rows = kernel_times(step)
+    intervals = [] if "--timeline" in sys.argv else None
+    total, rows = kernel_times(step, intervals=intervals)
     print(f"[weight update] batch {batch}: {total:.1f} us of kernels per (write of every parameter + forward)")
     for name, us, launches in rows[:16]:
         print(f"  {us:8.1f} us  x{launches:<3} {name[:100]}")
+    if intervals is not None:
+        print_timeline(intervals)
 
 
 if __name__ == "__main__":

@@ -63,12 +63,18 @@ def _cloned_outputs(fn):
     return act
 
 
-def time_iterations(trainer: PPOTrainer, iterations: int, warmup: int) -> dict:
-    """Median rollout and update wall times (ms) over `iterations` after `warmup` (compilation, tuning, capture)."""
+def time_iterations(trainer: PPOTrainer, iterations: int, warmup: int, barrier=None) -> dict:
+    """Median rollout and update wall times (ms) over `iterations` after `warmup` (compilation, tuning, capture), and
+    each timed iteration's rollout + update (`iteration_ms`). `barrier` (data-parallel runs): called before each
+    iteration so that every rank starts it together; otherwise a rank whose rollout ended first would count its wait
+    for the others' rollouts (the update's first all-reduce) as update time."""
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     rollout, update = [], []
     for i in range(warmup + iterations):
         sync()
+        if barrier is not None:
+            barrier()
+            sync()
         t0 = time.perf_counter()
         trainer.rollout()
         sync()
@@ -82,7 +88,8 @@ def time_iterations(trainer: PPOTrainer, iterations: int, warmup: int) -> dict:
     r, u = statistics.median(rollout), statistics.median(update)
     frames = trainer.steps * trainer.n
     return {"fps": round(frames / ((r + u) / 1e3), 1), "rollout_ms": round(r, 3), "update_ms": round(u, 3),
-            "frames_per_iteration": frames, "gpus": 1}
+            "frames_per_iteration": frames, "gpus": 1,
+            "iteration_ms": [round(a + b, 3) for a, b in zip(rollout, update)]}
 
 
 def fixed_seed_run(encoder: str, other_algorithms: bool, iterations: int, num_envs: int, steps: int, seed: int,
@@ -234,7 +241,10 @@ def _ddp_worker(rank: int, world: int, impl: str, envs: int, steps: int, iterati
                                 world_size=world, device_id=device if cuda else None)
     try:
         trainer = _trainer(impl, device, envs, steps, seed=0, dtype=torch.float16 if cuda else torch.float32)
-        r = time_iterations(trainer, iterations, warmup=3 if cuda else 1)
+        barrier = None
+        if world > 1:
+            barrier = (lambda: dist.barrier(device_ids=[rank])) if cuda else dist.barrier
+        r = time_iterations(trainer, iterations, warmup=3 if cuda else 1, barrier=barrier)
         rows = [r]
         if world > 1:
             rows = [None] * world
@@ -252,7 +262,8 @@ def _ddp_worker(rank: int, world: int, impl: str, envs: int, steps: int, iterati
 def run_rl_ddp(args, meta_dev: dict, out_dir: Path, gpus: int, device_type: str = "cuda",
                steps: int = RL_STEPS) -> list:
     """Weak scaling of the loop: `gpus` processes of `envs` environments each (one per GPU, NCCL, DDP) against one
-    process on one GPU, same run. Frames/s of several GPUs: all of their frames over the slowest rank's time."""
+    process on one GPU, same run. The ranks start each iteration together (a barrier); frames/s of several GPUs: all
+    of their frames over the median iteration's slowest rank's time."""
     import tempfile
 
     iterations = getattr(args, "rl_iters", None) or 5
@@ -269,10 +280,12 @@ def run_rl_ddp(args, meta_dev: dict, out_dir: Path, gpus: int, device_type: str 
                 else:
                     spawn_with_deadline(_ddp_worker, worker_args, world, timeout_s=900)
                 ranks = torch.load(out)
+            # Every rank starts each iteration together: an iteration lasts as long as its slowest rank's.
+            iteration = statistics.median(max(times) for times in zip(*(r["iteration_ms"] for r in ranks)))
             rollout = max(r["rollout_ms"] for r in ranks)
-            update = max(r["update_ms"] for r in ranks)
+            update = round(iteration - rollout, 3)  # the update's share after the slowest rollout
             frames = sum(r["frames_per_iteration"] for r in ranks)
-            row = {"impl": f"{impl} x{world}", "fps": round(frames / ((rollout + update) / 1e3), 1),
+            row = {"impl": f"{impl} x{world}", "fps": round(frames / (iteration / 1e3), 1), "iteration_ms": iteration,
                    "rollout_ms": rollout, "update_ms": update, "frames_per_iteration": frames, "gpus": world}
             rows.append(row)
             print(f"[bench] rl {row['impl']}: {row['fps']:.0f} frames/s (rollout {rollout:.1f} ms, update "

@@ -9,6 +9,15 @@ PyTorch's error is the largest of three realizations (cuDNN NCHW, cuDNN channels
 convolutions), which round differently (torch_mixed_grads). Unlike test_gpu_training.assert_grads_close, the FixUp
 scalars get the same 3x (not TORCH_FACTOR_SCALAR = 10x).
 
+At N = 1 one problem's errors are a lottery of ReLU decisions, so those cases compare medians over SEEDS_N1 problems:
+block 4 holds 3072 (96 x 64) conv1 pre-activations per image, a few of them within rounding of zero, and one decision
+taken the other way moves the gradient of fixup_bias1b by up to 3e-2 and conv1.weight's by up to 5e-2 (measured,
+dev/scalar_grad_diag/relu_decisions.py on an H100). Which of them a realization flips depends on its rounding: over 24
+problems of bf16, 96 x 64, C = 11, N = 1, fixup_bias1b's error was 2.6e-3 .. 8.4e-1 for PyTorch's worst realization
+and 1.5e-3 .. 5.4e-1 for kfuse, medians 1.8e-2 and 2.4e-2, with kfuse beyond 3x PyTorch on single problems and
+PyTorch beyond 3x kfuse on others. The median over problems compares the arithmetic; larger N averages the decisions
+within one problem.
+
 fp16: float32 parameters computed in fp16 (like autocast); bf16: bfloat16 parameters (the float64 reference then runs
 on the same rounded parameters). dL/dy is random with mean 1 (loss_gradient) and zeroed near the last ReLU's threshold
 (away_from_kinks), as in test_gpu_training.
@@ -27,11 +36,7 @@ pytestmark = pytest.mark.skipif(not kfuse.cuda_available(), reason="needs a CUDA
 FACTOR = 3.0  # kfuse's error may be at most FACTOR x PyTorch's own (or TOL)
 OUT_TOL = 1e-2  # the output, as in test_gpu_training
 DEVICE = "cuda"
-# The case that fails on an H200 with these seeds: bf16, 96 x 64, C = 11, N = 1 (block 4's fixup_bias1b 4.5e-2 against
-# PyTorch's 7.3e-3, its conv1.weight 4.2e-2 against 5.9e-3; the 35 other cases pass). Marked as an expected failure
-# until its cause is known (at N = 1 a handful of ReLU decisions decide such errors, in PyTorch as in kfuse, so it may
-# be a bound that one realization of PyTorch's rounding cannot set, rather than a bug).
-KNOWN_FAILING = "bf16-96x64-c11-n1"
+SEEDS_N1 = 9  # problems per N = 1 case (module docstring)
 
 
 def _loss_gradient(n: int, h: int, w: int, gen: torch.Generator) -> torch.Tensor:
@@ -47,14 +52,12 @@ def _cases():
             for c in (1, 3, 11):
                 for n in (1, 33, 100):
                     name = f"{'fp16' if precision == torch.float16 else 'bf16'}-{h}x{w}-c{c}-n{n}"
-                    marks = [pytest.mark.xfail(reason="known failure, under investigation", strict=False)] \
-                        if name == KNOWN_FAILING else []
-                    yield pytest.param(precision, h, w, c, n, id=name, marks=marks)
+                    yield pytest.param(precision, h, w, c, n, id=name)
 
 
-@pytest.mark.parametrize("precision,h,w,c,n", list(_cases()))
-def test_every_gradient_within_3x_of_pytorch_mixed_precision(make_reference, precision, h, w, c, n):
-    seed = 2000 + 10 * c + n  # test_gpu_training's (and scripts/grad_calibration.py's) problems at 64 x 64
+def _errors(make_reference, precision, h, w, c, n, seed):
+    """({gradient name: (kfuse's error, PyTorch's worst realization's error)}, whole gradient's pair) of one problem;
+    asserts its output."""
     ref = make_reference(in_channels=c, seed=seed)
     if precision == torch.bfloat16:
         ref = ref.to(torch.bfloat16)  # the reference then runs on the same (rounded) parameters, in float64
@@ -66,28 +69,38 @@ def test_every_gradient_within_3x_of_pytorch_mixed_precision(make_reference, pre
     y, g, _ = kfuse_grads(enc, x.to(DEVICE, ref.stem[1].weight.dtype), dy.to(DEVICE))
     assert y.shape == y_ref.shape
     out_err = rel_err(y, y_ref)
-    assert out_err <= OUT_TOL, f"output off by {out_err:.2e}"
+    assert out_err <= OUT_TOL, f"output off by {out_err:.2e} (seed {seed})"
     mixed = torch_mixed_grads(ref, x, dy, precision, realizations=3)
-
-    rows, bad = [], []
+    errs = {}
     for name, want in g_ref.items():
         assert g[name].shape == want.shape, name
-        err = rel_err(g[name], want)
-        torch_err = max(rel_err(m[name], want) for m in mixed)
-        bound = max(TOL, FACTOR * torch_err)
-        rows.append(f"{name}: kfuse {err:.2e}, torch {torch_err:.2e}, bound {bound:.1e}")
-        if not err <= bound:  # NaN fails
-            bad.append(rows[-1])
+        errs[name] = (rel_err(g[name], want), max(rel_err(m[name], want) for m in mixed))
 
     def flat(d):
         return torch.cat([d[k].detach().double().flatten().cpu() for k in g_ref])
 
-    whole = rel_err(flat(g), flat(g_ref))
-    whole_torch = max(rel_err(flat(m), flat(g_ref)) for m in mixed)
+    whole = (rel_err(flat(g), flat(g_ref)), max(rel_err(flat(m), flat(g_ref)) for m in mixed))
+    return errs, whole
+
+
+@pytest.mark.parametrize("precision,h,w,c,n", list(_cases()))
+def test_every_gradient_within_3x_of_pytorch_mixed_precision(make_reference, precision, h, w, c, n):
+    seed = 2000 + 10 * c + n  # test_gpu_training's (and scripts/grad_calibration.py's) problems at 64 x 64
+    seeds = [seed] if n > 1 else [seed + 1000 * i for i in range(SEEDS_N1)]
+    runs = [_errors(make_reference, precision, h, w, c, n, s) for s in seeds]
+    what = "" if n > 1 else f" (medians over {len(seeds)} problems)"
+
+    def median(values):
+        return float(torch.tensor(values).median())
+
+    bad = []
+    for name in runs[0][0]:
+        err, torch_err = (median([r[0][name][i] for r in runs]) for i in (0, 1))
+        bound = max(TOL, FACTOR * torch_err)
+        if not err <= bound:  # NaN fails
+            bad.append(f"{name}: kfuse {err:.2e}, torch {torch_err:.2e}, bound {bound:.1e}")
+    whole, whole_torch = (median([r[1][i] for r in runs]) for i in (0, 1))
     whole_bound = max(TOL, FACTOR * whole_torch)
     if not whole <= whole_bound:
         bad.append(f"whole gradient: kfuse {whole:.2e}, torch {whole_torch:.2e}, bound {whole_bound:.1e}")
-    case = f"{'fp16' if precision == torch.float16 else 'bf16'}-{h}x{w}-c{c}-n{n}"
-    known = " (the known failing case, KNOWN_FAILING)" if case == KNOWN_FAILING else ""
-    assert not bad, (f"{len(bad)} gradients beyond {FACTOR:g}x PyTorch's error (or {TOL}){known}:\n  "
-                     + "\n  ".join(bad))
+    assert not bad, f"{len(bad)} gradients beyond {FACTOR:g}x PyTorch's error (or {TOL}){what}:\n  " + "\n  ".join(bad)
