@@ -68,13 +68,23 @@ const Fp8Case kCases[] = {
     {"n2_2x2_c512_k512_s1", kfuse::testing::conv3x3(2, 2, 512, 512, 1)},
 };
 
+struct Fp8Tile {
+  const char* name;
+  ConvTile tile;
+};
+const Fp8Tile kTiles[] = {{"128x64", ConvTile::kSm90_128x64},
+                          {"128x64_k64", ConvTile::kSm90_128x64_k64},
+                          {"128x128", ConvTile::kSm90_128x128},
+                          {"256x64", ConvTile::kSm90_256x64}};
+
 struct Fp8Param {
+  Fp8Tile tile;
   Fp8Case conv;
   bool relu;
 };
 
 void PrintTo(const Fp8Param& param, std::ostream* os) {
-  *os << param.conv.name << (param.relu ? "/relu" : "/identity");
+  *os << param.tile.name << "/" << param.conv.name << (param.relu ? "/relu" : "/identity");
 }
 
 class ConvFp8GpuTest : public ::testing::TestWithParam<Fp8Param> {};
@@ -84,10 +94,12 @@ TEST_P(ConvFp8GpuTest, MatchesFloat64ReferenceOfTheQuantizedMath) {
     GTEST_SKIP() << why;
   const Conv2dProblem& p = GetParam().conv.problem;
   const bool relu = GetParam().relu;
-  const std::string name = std::string("e4m3/") + GetParam().conv.name + (relu ? "/relu" : "/identity");
+  const ConvTile tile = GetParam().tile.tile;
+  const std::string name = std::string("e4m3_") + GetParam().tile.name + "/" + GetParam().conv.name +
+                           (relu ? "/relu" : "/identity");
   const uint32_t seed = seed_for(name);
   SCOPED_TRACE(name + " seed=" + std::to_string(seed));
-  ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_e4m3_can_implement(p, ConvTile::kSm90_128x64));
+  ASSERT_TRUE(kfuse::kernels::conv2d_fprop_fixup_e4m3_can_implement(p, tile));
 
   std::mt19937 rng(seed);
   const std::vector<uint8_t> x = random_e4m3(kfuse::testing::act_elems(p), rng, -2.0f, 2.0f);
@@ -116,8 +128,7 @@ TEST_P(ConvFp8GpuTest, MatchesFloat64ReferenceOfTheQuantizedMath) {
   e.pre = dscalars.as<float>() + 0;
   e.post = dscalars.as<float>() + 1;
   e.relu = relu;
-  ASSERT_EQ(kfuse::kernels::conv2d_fprop_fixup_e4m3(p, ConvTile::kSm90_128x64, dx.ptr, dw.ptr, dy.ptr, e, nullptr),
-            cudaSuccess);
+  ASSERT_EQ(kfuse::kernels::conv2d_fprop_fixup_e4m3(p, tile, dx.ptr, dw.ptr, dy.ptr, e, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<uint16_t> out(out_elems);
   ASSERT_EQ(cudaMemcpy(out.data(), dy.ptr, dy.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -133,8 +144,9 @@ TEST_P(ConvFp8GpuTest, MatchesFloat64ReferenceOfTheQuantizedMath) {
 
 std::vector<Fp8Param> all_params() {
   std::vector<Fp8Param> out;
-  for (const Fp8Case& c : kCases)
-    for (bool relu : {false, true}) out.push_back({c, relu});
+  for (const Fp8Tile& t : kTiles)
+    for (const Fp8Case& c : kCases)
+      for (bool relu : {false, true}) out.push_back({t, c, relu});
   return out;
 }
 

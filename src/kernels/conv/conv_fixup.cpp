@@ -57,8 +57,19 @@ const Instance* find_instance(ConvDType dtype, ConvTile tile, bool parallel = fa
 }
 
 const Instance* find_e4m3_instance(ConvTile tile) {
-  static const Instance k128x64 = KFUSE_FIXUP_INSTANCE(fixup_e4m3_sm90_128x64);
-  return tile == ConvTile::kSm90_128x64 ? &k128x64 : nullptr;
+  struct Entry {
+    ConvTile tile;
+    Instance instance;
+  };
+  static const Entry kTable[] = {
+      {ConvTile::kSm90_128x64, KFUSE_FIXUP_INSTANCE(fixup_e4m3_sm90_128x64)},
+      {ConvTile::kSm90_128x64_k64, KFUSE_FIXUP_INSTANCE(fixup_e4m3_sm90_128x64_k64)},
+      {ConvTile::kSm90_128x128, KFUSE_FIXUP_INSTANCE(fixup_e4m3_sm90_128x128)},
+      {ConvTile::kSm90_256x64, KFUSE_FIXUP_INSTANCE(fixup_e4m3_sm90_256x64)},
+  };
+  for (const Entry& e : kTable)
+    if (e.tile == tile) return &e.instance;
+  return nullptr;
 }
 
 #undef KFUSE_FIXUP_INSTANCE

@@ -42,6 +42,7 @@ enum class ConvTile {
   kSm90_128x64_s4,   // 4 pipeline stages: two CTAs per SM
   kSm90_128x128,     // big tiles for the training batch (N = 2048: GEMMs of 0.5-1 M rows), schedule as CUTLASS picks
   kSm90_256x64,      //   (two consumer warpgroups); 256x64 for the 64-channel layers of block 1
+  kSm90_128x64_k64,  // e4m3 only: K tile 64 for the 64-channel layers (the e4m3 tiles' K is 128 elements otherwise)
 };
 
 struct FixupEpilogue {
@@ -71,7 +72,8 @@ KFUSE_KERNEL_API cudaError_t conv2d_fprop_fixup(const Conv2dProblem& problem, Co
 
 // fp8: x and w in e4m3 (one byte per element), y fp16, the epilogue's multiplier per output channel
 // (FixupEpilogue::channel_alpha); fp32 accumulation. Hopper tiles only (CUTLASS 3.x, sm_90a; same device and
-// stride conditions as the kSm90 tiles above), C and K multiples of 16; instances: kSm90_128x64. Same contracts as
+// stride conditions as the kSm90 tiles above), C and K multiples of 16; instances: kSm90_128x64, kSm90_128x64_k64,
+// kSm90_128x128, kSm90_256x64. Same contracts as
 // conv2d_fprop_fixup with split_k 1 and no workspace.
 KFUSE_KERNEL_API bool conv2d_fprop_fixup_e4m3_can_implement(const Conv2dProblem& problem, ConvTile tile);
 KFUSE_KERNEL_API cudaError_t conv2d_fprop_fixup_e4m3(const Conv2dProblem& problem, ConvTile tile, const void* x,

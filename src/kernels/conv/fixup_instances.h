@@ -36,6 +36,9 @@ KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_128x128)
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_f16_sm90_256x64)
 // e4m3 operands, fp16 output (fixup_e4m3_sm90_<tile>.cu).
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_e4m3_sm90_128x64)
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_e4m3_sm90_128x64_k64)
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_e4m3_sm90_128x128)
+KFUSE_FIXUP_DECLARE_INSTANCE(fixup_e4m3_sm90_256x64)
 
 // Parallel split-K instances (fixup_split_<dtype>_<tile>.cu, fixup_split_impl.cuh).
 KFUSE_FIXUP_DECLARE_INSTANCE(fixup_split_f16_128x128)

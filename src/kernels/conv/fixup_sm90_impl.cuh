@@ -138,7 +138,10 @@ inline bool problem_is_sane(const Conv2dProblem& p, int split_k) {
 // Stages = 0: as many pipeline stages as shared memory holds (one CTA per SM); a fixed count leaves room for more
 // CTAs per SM. A cluster of ClusterM x ClusterN CTAs multicasts the shared operand tiles through TMA, cutting the L2
 // traffic of the late layers, whose small grids re-read the same weights and activations from every CTA.
-template <int TileM, int TileN, int ClusterM = 1, int ClusterN = 1, int Stages = 0, class ElementIn = cutlass::half_t>
+// TileK = 0: 128 bytes of channels (the widest swizzle); e4m3 tiles may take 64, for layers of 64 channels, whose C
+// would fill only half of a 128-element K tile (the other half zeros from TMA's bounds, multiplied all the same).
+template <int TileM, int TileN, int ClusterM = 1, int ClusterN = 1, int Stages = 0, class ElementIn = cutlass::half_t,
+          int TileK = 0>
 struct FixupConvSm90 {
   using Element = cutlass::half_t;  // the output's
   using ElementAcc = float;
@@ -148,8 +151,9 @@ struct FixupConvSm90 {
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;      // 8 elements = 16 B (TMA)
   static constexpr int kAlignIn = 128 / cutlass::sizeof_bits<ElementIn>::value;  // 16 B: 8 fp16 or 16 e4m3
 
-  // K tile: 128 bytes of channels per row (64 fp16, 128 e4m3), the swizzle width
-  using TileShape = Shape<Int<TileM>, Int<TileN>, Shape<Int<kFp8 ? 128 : 64>>>;
+  // K tile: 128 bytes of channels per row (64 fp16, 128 e4m3), the swizzle width, unless TileK says otherwise
+  static constexpr int kTileK = TileK != 0 ? TileK : (kFp8 ? 128 : 64);
+  using TileShape = Shape<Int<TileM>, Int<TileN>, Shape<Int<kTileK>>>;
   using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
 
   static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
