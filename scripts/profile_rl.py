@@ -57,6 +57,8 @@ def _rank(rank: int, world: int, impl: str, store: str) -> None:
         trainer = _trainer(impl, device, RL_ENVS, RL_STEPS, seed=0)
         for _ in range(3):
             trainer.iteration()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            pass  # the profiler's first start takes a different time on each rank: before the barrier
         trainer.rollout()
         torch.cuda.synchronize()
         dist.barrier(device_ids=[rank])
@@ -79,7 +81,9 @@ def ddp_main(world: int, impl: str) -> None:
 
 
 def main():
-    if len(sys.argv) > 2 and sys.argv[1] == "--ddp":
+    if len(sys.argv) > 1 and sys.argv[1] == "--ddp":
+        if len(sys.argv) < 3:
+            raise SystemExit("usage: python scripts/profile_rl.py --ddp WORLD [impl]")
         ddp_main(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "kfuse")
         return
     impls = sys.argv[1:] or ["kfuse", "torch-jit-fp16"]

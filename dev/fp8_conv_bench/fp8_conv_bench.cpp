@@ -119,7 +119,8 @@ int main() {
       }
       double fp8 = -1;
       const char* fp8_tile = "-";
-      for (const auto& [name, t] : e4m3_tiles) {
+      for (const auto& [name, tile] : e4m3_tiles) {
+        const ConvTile t = tile;  // (a lambda may not capture a structured binding in C++17)
         if (!conv2d_fprop_fixup_e4m3_can_implement(p, t)) continue;
         FixupEpilogue e;
         e.relu = true;

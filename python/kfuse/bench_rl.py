@@ -65,9 +65,9 @@ def _cloned_outputs(fn):
 
 def time_iterations(trainer: PPOTrainer, iterations: int, warmup: int, barrier=None) -> dict:
     """Median rollout and update wall times (ms) over `iterations` after `warmup` (compilation, tuning, capture), and
-    each timed iteration's rollout + update (`iteration_ms`). `barrier` (data-parallel runs): called before each
-    iteration so that every rank starts it together; otherwise a rank whose rollout ended first would count its wait
-    for the others' rollouts (the update's first all-reduce) as update time."""
+    each timed iteration's rollout and rollout + update (`rollouts_ms`, `iterations_ms`). `barrier` (data-parallel
+    runs): called before each iteration so that every rank starts it together; otherwise a rank whose rollout ended
+    first would count its wait for the others' rollouts (the update's first all-reduce) as update time."""
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     rollout, update = [], []
     for i in range(warmup + iterations):
@@ -89,7 +89,8 @@ def time_iterations(trainer: PPOTrainer, iterations: int, warmup: int, barrier=N
     frames = trainer.steps * trainer.n
     return {"fps": round(frames / ((r + u) / 1e3), 1), "rollout_ms": round(r, 3), "update_ms": round(u, 3),
             "frames_per_iteration": frames, "gpus": 1,
-            "iteration_ms": [round(a + b, 3) for a, b in zip(rollout, update)]}
+            "rollouts_ms": [round(a, 3) for a in rollout],
+            "iterations_ms": [round(a + b, 3) for a, b in zip(rollout, update)]}
 
 
 def fixed_seed_run(encoder: str, other_algorithms: bool, iterations: int, num_envs: int, steps: int, seed: int,
@@ -280,10 +281,13 @@ def run_rl_ddp(args, meta_dev: dict, out_dir: Path, gpus: int, device_type: str 
                 else:
                     spawn_with_deadline(_ddp_worker, worker_args, world, timeout_s=900)
                 ranks = torch.load(out)
-            # Every rank starts each iteration together: an iteration lasts as long as its slowest rank's.
-            iteration = statistics.median(max(times) for times in zip(*(r["iteration_ms"] for r in ranks)))
-            rollout = max(r["rollout_ms"] for r in ranks)
-            update = round(iteration - rollout, 3)  # the update's share after the slowest rollout
+            # Every rank starts each iteration together: an iteration lasts as long as its slowest rank's, and its
+            # update is what it takes after the slowest rollout.
+            whole = [max(t) for t in zip(*(r["iterations_ms"] for r in ranks))]
+            rollouts = [max(t) for t in zip(*(r["rollouts_ms"] for r in ranks))]
+            iteration = statistics.median(whole)
+            rollout = round(statistics.median(rollouts), 3)
+            update = round(statistics.median(w - r for w, r in zip(whole, rollouts)), 3)
             frames = sum(r["frames_per_iteration"] for r in ranks)
             row = {"impl": f"{impl} x{world}", "fps": round(frames / (iteration / 1e3), 1), "iteration_ms": iteration,
                    "rollout_ms": rollout, "update_ms": update, "frames_per_iteration": frames, "gpus": world}

@@ -60,12 +60,14 @@ struct Fp8Case {
   Conv2dProblem problem;
 };
 
-// The encoder's convolution shapes at small batches (stride 1 and 2, 64 to 512 channels).
+// The encoder's convolution shapes at small batches (stride 1 and 2, 64 to 512 channels), and a channel count that
+// fills no K tile.
 const Fp8Case kCases[] = {
     {"n3_16x16_c64_k64_s1", kfuse::testing::conv3x3(3, 16, 64, 64, 1)},
     {"n2_16x16_c64_k128_s2", kfuse::testing::conv3x3(2, 16, 64, 128, 2)},
     {"n2_4x4_c256_k512_s2", kfuse::testing::conv3x3(2, 4, 256, 512, 2)},
     {"n2_2x2_c512_k512_s1", kfuse::testing::conv3x3(2, 2, 512, 512, 1)},
+    {"n2_8x8_c48_k64_s1", kfuse::testing::conv3x3(2, 8, 48, 64, 1)},  // C: a partial K tile of every e4m3 tile
 };
 
 struct Fp8Tile {
