@@ -3,7 +3,7 @@
 # scripts/gpu_run.sh --exec): per setting, the kernel timeline of one graph replay (scripts/profile_infer.py), then
 # `kfuse bench --workload resnet-infer --impl kfuse` in interleaved rounds; the mean back-to-back and latency per
 # setting last. A setting is a comma-separated list of VAR=VALUE, or "-" for the defaults.
-# Usage: bash scripts/env_ab.sh [--rounds N] SETTING...    e.g. bash scripts/env_ab.sh - KFUSE_SE_IMAGES=2
+# Usage: bash scripts/env_ab.sh [--rounds N] SETTING...    e.g. bash scripts/env_ab.sh - KFUSE_PDL=0
 set -uo pipefail
 py="${PYTHON:-python3}"
 rounds=2
