@@ -79,6 +79,20 @@ inline std::vector<uint16_t> random_nonzero_bits(size_t n, kernels::ConvDType dt
   return v;
 }
 
+// A device copy of `host` (allocated to its size).
+template <class V>
+cudaError_t to_device(DeviceBuffer& d, const std::vector<V>& host) {
+  if (const cudaError_t e = d.alloc(host.size() * sizeof(V)); e != cudaSuccess) return e;
+  return cudaMemcpy(d.ptr, host.data(), d.bytes, cudaMemcpyHostToDevice);
+}
+
+// fp16 / bf16 bit patterns as float64 values.
+inline std::vector<double> decode(const std::vector<uint16_t>& bits, kernels::ConvDType dt) {
+  std::vector<double> out(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) out[i] = bits_to_float(bits[i], dt);
+  return out;
+}
+
 // Deterministic per-test seed (FNV-1a of the test's name).
 inline uint32_t seed_for(const std::string& name) {
   uint32_t h = 2166136261u;

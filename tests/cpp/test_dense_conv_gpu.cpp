@@ -31,12 +31,14 @@ namespace {
 using kfuse::bits_to_float;
 using kfuse::kernels::Conv2dProblem;
 using kfuse::kernels::ConvDType;
+using kfuse::testing::decode;
 using kfuse::testing::DeviceBuffer;
 using kfuse::testing::nan_bits;
 using kfuse::testing::random_nonzero_bits;
 using kfuse::testing::rel_err;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
+using kfuse::testing::to_device;
 namespace k = kfuse::kernels;
 
 constexpr ConvDType kF16 = ConvDType::kF16;
@@ -63,18 +65,6 @@ struct DenseParam {
 };
 void PrintTo(const DenseParam& p, std::ostream* os) { *os << p.c.name << (p.dtype == kF16 ? "/f16" : "/bf16"); }
 
-template <class V>
-cudaError_t upload(DeviceBuffer& d, const std::vector<V>& host) {
-  if (const cudaError_t e = d.alloc(host.size() * sizeof(V)); e != cudaSuccess) return e;
-  return cudaMemcpy(d.ptr, host.data(), d.bytes, cudaMemcpyHostToDevice);
-}
-
-std::vector<double> to_double(const std::vector<uint16_t>& bits, ConvDType dt) {
-  std::vector<double> out(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) out[i] = bits_to_float(bits[i], dt);
-  return out;
-}
-
 class DenseConvGpuTest : public ::testing::TestWithParam<DenseParam> {
  protected:
   void SetUp() override {
@@ -96,10 +86,10 @@ TEST_P(DenseConvGpuTest, ForwardMatchesFloat64Reference) {
   const float range = 2.0f / std::sqrt(float(p.r * p.s * p.c));
   const std::vector<uint16_t> w = random_nonzero_bits(kfuse::testing::filter_elems(p), dt, rng_, -range, range);
   DeviceBuffer dx, dw, dy, ws;
-  ASSERT_EQ(upload(dx, x), cudaSuccess);
-  ASSERT_EQ(upload(dw, w), cudaSuccess);
+  ASSERT_EQ(to_device(dx, x), cudaSuccess);
+  ASSERT_EQ(to_device(dw, w), cudaSuccess);
   const size_t out = kfuse::testing::grad_elems(p);
-  ASSERT_EQ(upload(dy, std::vector<uint16_t>(out, nan_bits(dt))), cudaSuccess);
+  ASSERT_EQ(to_device(dy, std::vector<uint16_t>(out, nan_bits(dt))), cudaSuccess);
   ASSERT_EQ(ws.alloc(k::dense_conv_fprop_workspace_bytes(p, dt)), cudaSuccess);
   ASSERT_EQ(k::dense_conv_fprop(p, dt, dx.ptr, dw.ptr, dy.ptr, ws.ptr, ws.bytes, stream_.stream), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream_.stream), cudaSuccess);
@@ -107,7 +97,7 @@ TEST_P(DenseConvGpuTest, ForwardMatchesFloat64Reference) {
   ASSERT_EQ(cudaMemcpy(y.data(), dy.ptr, dy.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   size_t bad = 0;
   const double u_t = dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
-  EXPECT_LE(rel_err(to_double(y, dt), kfuse::testing::reference_fprop_fixup(p, x, w, dt, 1, 0, 0, false), &bad),
+  EXPECT_LE(rel_err(decode(y, dt), kfuse::testing::reference_fprop_fixup(p, x, w, dt, 1, 0, 0, false), &bad),
             2 * u_t);
   EXPECT_EQ(bad, 0u) << "outputs left unwritten (NaN poison) or not finite";
 }
@@ -122,12 +112,12 @@ TEST_P(DenseConvGpuTest, UnrolledFilterWithExtraRowsAndItsRunFlag) {
   const std::vector<uint16_t> w = random_nonzero_bits(kfuse::testing::filter_elems(p), dt, rng_, -range, range);
   const std::vector<uint16_t> extra_rows = random_nonzero_bits(size_t(extra) * kd, dt, rng_, -range, range);
   DeviceBuffer dx, dw, dwd, dy, ws, flag;
-  ASSERT_EQ(upload(dx, x), cudaSuccess);
-  ASSERT_EQ(upload(dw, w), cudaSuccess);
+  ASSERT_EQ(to_device(dx, x), cudaSuccess);
+  ASSERT_EQ(to_device(dw, w), cudaSuccess);
   std::vector<uint16_t> wd_host(size_t(rows) * kd, nan_bits(dt));
   std::copy(extra_rows.begin(), extra_rows.end(), wd_host.begin() + nd * kd);
-  ASSERT_EQ(upload(dwd, wd_host), cudaSuccess);
-  ASSERT_EQ(upload(flag, std::vector<unsigned>{0u}), cudaSuccess);
+  ASSERT_EQ(to_device(dwd, wd_host), cudaSuccess);
+  ASSERT_EQ(to_device(flag, std::vector<unsigned>{0u}), cudaSuccess);
 
   // Run flag 0: nothing written (the poison stays).
   ASSERT_EQ(k::dense_conv_unroll_filter(p, dt, dw.ptr, dwd.ptr, stream_.stream, flag.as<unsigned>()), cudaSuccess);
@@ -140,7 +130,7 @@ TEST_P(DenseConvGpuTest, UnrolledFilterWithExtraRowsAndItsRunFlag) {
   ASSERT_EQ(cudaMemcpy(flag.ptr, std::vector<unsigned>{1u}.data(), 4, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(k::dense_conv_unroll_filter(p, dt, dw.ptr, dwd.ptr, stream_.stream, flag.as<unsigned>()), cudaSuccess);
   const size_t out = size_t(p.n) * rows;
-  ASSERT_EQ(upload(dy, std::vector<uint16_t>(out, nan_bits(dt))), cudaSuccess);
+  ASSERT_EQ(to_device(dy, std::vector<uint16_t>(out, nan_bits(dt))), cudaSuccess);
   ASSERT_EQ(ws.alloc(k::dense_conv_fprop_unrolled_workspace_bytes(p, dt)), cudaSuccess);
   ASSERT_EQ(k::dense_conv_fprop_unrolled(p, dt, dx.ptr, dwd.ptr, dy.ptr, ws.ptr, ws.bytes, stream_.stream, extra),
             cudaSuccess);
@@ -153,7 +143,7 @@ TEST_P(DenseConvGpuTest, UnrolledFilterWithExtraRowsAndItsRunFlag) {
 
   // Each image's row: the convolution's NPQK outputs, then x . extra row e for each e.
   const std::vector<double> conv = kfuse::testing::reference_fprop_fixup(p, x, w, dt, 1, 0, 0, false);
-  const std::vector<double> xd = to_double(x, dt), ed = to_double(extra_rows, dt);
+  const std::vector<double> xd = decode(x, dt), ed = decode(extra_rows, dt);
   std::vector<double> got(out), want(out);
   for (int n = 0; n < p.n; ++n) {
     for (int64_t i = 0; i < rows; ++i) {
@@ -179,9 +169,9 @@ TEST_P(DenseConvGpuTest, WeightGradientMatchesFloat64Reference) {
   const std::vector<uint16_t> x = random_nonzero_bits(kfuse::testing::act_elems(p), dt, rng_);
   const std::vector<uint16_t> dy = random_nonzero_bits(kfuse::testing::grad_elems(p), dt, rng_);
   DeviceBuffer dx, ddy, ddw, ws;
-  ASSERT_EQ(upload(dx, x), cudaSuccess);
-  ASSERT_EQ(upload(ddy, dy), cudaSuccess);
-  ASSERT_EQ(upload(ddw, std::vector<float>(kfuse::testing::filter_elems(p), std::nanf(""))), cudaSuccess);
+  ASSERT_EQ(to_device(dx, x), cudaSuccess);
+  ASSERT_EQ(to_device(ddy, dy), cudaSuccess);
+  ASSERT_EQ(to_device(ddw, std::vector<float>(kfuse::testing::filter_elems(p), std::nanf(""))), cudaSuccess);
   ASSERT_EQ(ws.alloc(k::dense_conv_wgrad_workspace_bytes(p, dt)), cudaSuccess);
   ASSERT_EQ(k::dense_conv_wgrad(p, dt, ddy.ptr, dx.ptr, ddw.as<float>(), ws.ptr, ws.bytes, stream_.stream),
             cudaSuccess);

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "conv_reference.h"
 #include "gpu_test_support.h"
 
 #include <algorithm>
@@ -33,11 +34,14 @@ namespace {
 
 using kfuse::bits_to_float;
 using kfuse::float_to_bits;
+using kfuse::testing::decode;
 using kfuse::testing::DeviceBuffer;
 using kfuse::testing::nan_bits;
 using kfuse::testing::random_nonzero_bits;
+using kfuse::testing::rel_err;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
+using kfuse::testing::to_device;
 
 using kfuse::kernels::ConvDType;
 using kfuse::kernels::FusedBlockArgs;
@@ -109,12 +113,6 @@ std::vector<uint16_t> tap_planes(const std::vector<uint16_t>& krsc) {
   return out;
 }
 
-std::vector<double> to_double(const std::vector<uint16_t>& bits, ConvDType dt) {
-  std::vector<double> out(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) out[i] = bits_to_float(bits[i], dt);
-  return out;
-}
-
 Problem make_problem(const BlockCase& c, ConvDType dt, std::mt19937& rng) {
   Problem pr;
   const size_t elems = size_t(c.n) * c.h * c.w * kP, hw = size_t(c.h) * c.w;
@@ -132,12 +130,12 @@ Problem make_problem(const BlockCase& c, ConvDType dt, std::mt19937& rng) {
   for (int i = 0; i < kP; ++i) pr.fc2_b.push_back(fc(rng));
   const float b1b = pr.scalars[1], b2a = pr.scalars[2], sc = pr.scalars[3], b2b = pr.scalars[4];
 
-  const std::vector<double> c1 = conv3x3(to_double(pr.a, dt), to_double(pr.w1_krsc, dt), c.n, c.h, c.w);
+  const std::vector<double> c1 = conv3x3(decode(pr.a, dt), decode(pr.w1_krsc, dt), c.n, c.h, c.w);
   pr.h.resize(elems), pr.h2.resize(elems);
   for (size_t i = 0; i < elems; ++i) pr.h[i] = std::max(0.0, c1[i] + b1b), pr.h2[i] = pr.h[i] + b2a;
-  pr.v = conv3x3(pr.h2, to_double(pr.w2_krsc, dt), c.n, c.h, c.w);
+  pr.v = conv3x3(pr.h2, decode(pr.w2_krsc, dt), c.n, c.h, c.w);
   pr.y.resize(elems), pr.a_next.resize(elems);
-  const std::vector<double> idt = to_double(pr.identity, dt);
+  const std::vector<double> idt = decode(pr.identity, dt);
   for (int b = 0; b < c.n; ++b) {
     const size_t base = size_t(b) * hw * kP;
     std::vector<double> mean(kP, 0.0), hid(kHidden), g(kP);
@@ -163,23 +161,6 @@ Problem make_problem(const BlockCase& c, ConvDType dt, std::mt19937& rng) {
   return pr;
 }
 
-template <class V>
-cudaError_t upload(DeviceBuffer& d, const std::vector<V>& host) {
-  if (const cudaError_t e = d.alloc(host.size() * sizeof(V)); e != cudaSuccess) return e;
-  return cudaMemcpy(d.ptr, host.data(), d.bytes, cudaMemcpyHostToDevice);
-}
-
-double rel_err(const std::vector<double>& got, const std::vector<double>& want, size_t* bad) {
-  double num = 0, den = 0;
-  *bad = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) ++*bad;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return std::sqrt(num / den);
-}
-
 struct Outputs {
   std::vector<uint16_t> y, a_next, h, h2, v;
 };
@@ -202,15 +183,15 @@ TEST_P(FusedBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   const size_t elems = pr.y.size();
 
   DeviceBuffer a, identity, w1, w2, scalars, fc1_w, fc1_b, fc2_w, fc2_b, y, a_next, h, h2, v;
-  ASSERT_EQ(upload(a, pr.a), cudaSuccess);
-  ASSERT_EQ(upload(identity, pr.identity), cudaSuccess);
-  ASSERT_EQ(upload(w1, wgmma ? pr.w1_planes : pr.w1_krsc), cudaSuccess);
-  ASSERT_EQ(upload(w2, wgmma ? pr.w2_planes : pr.w2_krsc), cudaSuccess);
-  ASSERT_EQ(upload(scalars, pr.scalars), cudaSuccess);
-  ASSERT_EQ(upload(fc1_w, pr.fc1_w), cudaSuccess);
-  ASSERT_EQ(upload(fc1_b, pr.fc1_b), cudaSuccess);
-  ASSERT_EQ(upload(fc2_w, pr.fc2_w), cudaSuccess);
-  ASSERT_EQ(upload(fc2_b, pr.fc2_b), cudaSuccess);
+  ASSERT_EQ(to_device(a, pr.a), cudaSuccess);
+  ASSERT_EQ(to_device(identity, pr.identity), cudaSuccess);
+  ASSERT_EQ(to_device(w1, wgmma ? pr.w1_planes : pr.w1_krsc), cudaSuccess);
+  ASSERT_EQ(to_device(w2, wgmma ? pr.w2_planes : pr.w2_krsc), cudaSuccess);
+  ASSERT_EQ(to_device(scalars, pr.scalars), cudaSuccess);
+  ASSERT_EQ(to_device(fc1_w, pr.fc1_w), cudaSuccess);
+  ASSERT_EQ(to_device(fc1_b, pr.fc1_b), cudaSuccess);
+  ASSERT_EQ(to_device(fc2_w, pr.fc2_w), cudaSuccess);
+  ASSERT_EQ(to_device(fc2_b, pr.fc2_b), cudaSuccess);
   for (DeviceBuffer* b : {&y, &a_next, &h, &h2, &v}) ASSERT_EQ(b->alloc(elems * 2), cudaSuccess);
   StreamGuard stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking), cudaSuccess);
@@ -247,7 +228,7 @@ TEST_P(FusedBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
 
   const double u_t = dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
   size_t bad = 0;
-  const std::vector<double> yv = to_double(first.y, dt), av = to_double(first.a_next, dt);
+  const std::vector<double> yv = decode(first.y, dt), av = decode(first.a_next, dt);
   EXPECT_LE(rel_err(yv, pr.y, &bad), 8 * u_t) << "y";
   EXPECT_EQ(bad, 0u) << "y elements left unwritten (NaN poison) or not finite";
   EXPECT_LE(rel_err(av, pr.a_next, &bad), 8 * u_t) << "a_next";
@@ -258,12 +239,12 @@ TEST_P(FusedBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   EXPECT_EQ(wrong, 0u) << "elements where a_next > T(next_b1a) does not say y > 0";
 
   if (training) {
-    const std::vector<double> hv = to_double(first.h, dt), h2v = to_double(first.h2, dt);
+    const std::vector<double> hv = decode(first.h, dt), h2v = decode(first.h2, dt);
     EXPECT_LE(rel_err(hv, pr.h, &bad), 4 * u_t) << "h";
     EXPECT_EQ(bad, 0u) << "h elements left unwritten or not finite";
     EXPECT_LE(rel_err(h2v, pr.h2, &bad), 4 * u_t) << "h2";
     EXPECT_EQ(bad, 0u) << "h2 elements left unwritten or not finite";
-    EXPECT_LE(rel_err(to_double(first.v, dt), pr.v, &bad), 4 * u_t) << "v (conv2's raw output)";
+    EXPECT_LE(rel_err(decode(first.v, dt), pr.v, &bad), 4 * u_t) << "v (conv2's raw output)";
     EXPECT_EQ(bad, 0u) << "v elements left unwritten or not finite";
     const double b2a = bits_to_float(float_to_bits(pr.scalars[2], dt), dt);
     wrong = 0;

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "conv_reference.h"
 #include "gpu_test_support.h"
 
 #include <algorithm>
@@ -31,11 +32,14 @@ namespace {
 
 using kfuse::bits_to_float;
 using kfuse::float_to_bits;
+using kfuse::testing::decode;
 using kfuse::testing::DeviceBuffer;
 using kfuse::testing::nan_bits;
 using kfuse::testing::random_nonzero_bits;
+using kfuse::testing::rel_err;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
+using kfuse::testing::to_device;
 
 using kfuse::kernels::ConvDType;
 using kfuse::kernels::FusedDownBlockArgs;
@@ -63,12 +67,6 @@ struct DownParam {
   ConvDType dtype;
 };
 void PrintTo(const DownParam& p, std::ostream* os) { *os << p.c.name << (p.dtype == kF16 ? "/f16" : "/bf16"); }
-
-std::vector<double> to_double(const std::vector<uint16_t>& bits, ConvDType dt) {
-  std::vector<double> out(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) out[i] = bits_to_float(bits[i], dt);
-  return out;
-}
 
 // NHWC x [n][h][w][cin], KCRS w [k][cin][r][s] (r = s = 3, or 1 for a 1x1 filter), stride `st`, zero padding of
 // (r - 1) / 2: y NHWC [n][h / st][w / st][k].
@@ -140,13 +138,13 @@ Problem make_problem(const DownCase& c, ConvDType dt, std::mt19937& rng) {
   for (int i = 0; i < c.hidden; ++i) pr.fc1_b.push_back(fc(rng));
   for (int i = 0; i < c.p; ++i) pr.fc2_b.push_back(fc(rng));
 
-  const std::vector<double> a = to_double(pr.a, dt);
+  const std::vector<double> a = decode(pr.a, dt);
   const int ho = c.h / 2, wo = c.w / 2;
-  const std::vector<double> idt = conv(avgpool3s2(a, c.n, c.h, c.w, c.cin), to_double(wsc, dt), c.n, ho, wo, c.cin,
+  const std::vector<double> idt = conv(avgpool3s2(a, c.n, c.h, c.w, c.cin), decode(wsc, dt), c.n, ho, wo, c.cin,
                                        c.p, 1, 1);
-  std::vector<double> h2 = conv(a, to_double(w1, dt), c.n, c.h, c.w, c.cin, c.p, 3, 2);
+  std::vector<double> h2 = conv(a, decode(w1, dt), c.n, c.h, c.w, c.cin, c.p, 3, 2);
   for (double& v : h2) v = std::max(0.0, v + pr.scalars[1]) + pr.scalars[2];
-  const std::vector<double> v = conv(h2, to_double(w2, dt), c.n, ho, wo, c.p, c.p, 3, 1);
+  const std::vector<double> v = conv(h2, decode(w2, dt), c.n, ho, wo, c.p, c.p, 3, 1);
   pr.y.resize(v.size()), pr.a_next.resize(v.size());
   const size_t hw = size_t(ho) * wo;
   for (int b = 0; b < c.n; ++b) {
@@ -174,23 +172,6 @@ Problem make_problem(const DownCase& c, ConvDType dt, std::mt19937& rng) {
   return pr;
 }
 
-template <class V>
-cudaError_t upload(DeviceBuffer& d, const std::vector<V>& host) {
-  if (const cudaError_t e = d.alloc(host.size() * sizeof(V)); e != cudaSuccess) return e;
-  return cudaMemcpy(d.ptr, host.data(), d.bytes, cudaMemcpyHostToDevice);
-}
-
-double rel_err(const std::vector<double>& got, const std::vector<double>& want, size_t* bad) {
-  double num = 0, den = 0;
-  *bad = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) ++*bad;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return std::sqrt(num / den);
-}
-
 class FusedDownBlockGpuTest : public ::testing::TestWithParam<DownParam> {};
 
 TEST_P(FusedDownBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
@@ -208,18 +189,18 @@ TEST_P(FusedDownBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   const int groups = kfuse::kernels::fused_down_block_groups(c.n);
 
   DeviceBuffer a, filters, scalars, fc1_w, fc1_b, fc2_w, fc2_b, y, a_next, h2, partials, sync;
-  ASSERT_EQ(upload(a, pr.a), cudaSuccess);
-  ASSERT_EQ(upload(filters, pr.filters), cudaSuccess);
-  ASSERT_EQ(upload(scalars, pr.scalars), cudaSuccess);
-  ASSERT_EQ(upload(fc1_w, pr.fc1_w), cudaSuccess);
-  ASSERT_EQ(upload(fc1_b, pr.fc1_b), cudaSuccess);
-  ASSERT_EQ(upload(fc2_w, pr.fc2_w), cudaSuccess);
-  ASSERT_EQ(upload(fc2_b, pr.fc2_b), cudaSuccess);
+  ASSERT_EQ(to_device(a, pr.a), cudaSuccess);
+  ASSERT_EQ(to_device(filters, pr.filters), cudaSuccess);
+  ASSERT_EQ(to_device(scalars, pr.scalars), cudaSuccess);
+  ASSERT_EQ(to_device(fc1_w, pr.fc1_w), cudaSuccess);
+  ASSERT_EQ(to_device(fc1_b, pr.fc1_b), cudaSuccess);
+  ASSERT_EQ(to_device(fc2_w, pr.fc2_w), cudaSuccess);
+  ASSERT_EQ(to_device(fc2_b, pr.fc2_b), cudaSuccess);
   ASSERT_EQ(y.alloc(out_elems * 2), cudaSuccess);
   ASSERT_EQ(a_next.alloc(out_elems * 2), cudaSuccess);
-  ASSERT_EQ(upload(h2, std::vector<uint16_t>(out_elems + kGuard, kGuardBits)), cudaSuccess);
+  ASSERT_EQ(to_device(h2, std::vector<uint16_t>(out_elems + kGuard, kGuardBits)), cudaSuccess);
   ASSERT_EQ(partials.alloc(size_t(groups) * 1024), cudaSuccess);
-  ASSERT_EQ(upload(sync, std::vector<unsigned>(1 + 2 * size_t(groups), 0u)), cudaSuccess);
+  ASSERT_EQ(to_device(sync, std::vector<unsigned>(1 + 2 * size_t(groups), 0u)), cudaSuccess);
   StreamGuard stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream.stream, cudaStreamNonBlocking), cudaSuccess);
 
@@ -246,7 +227,7 @@ TEST_P(FusedDownBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
 
   const double u_t = dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
   size_t bad = 0;
-  const std::vector<double> yv = to_double(y1, dt), av = to_double(a1, dt);
+  const std::vector<double> yv = decode(y1, dt), av = decode(a1, dt);
   EXPECT_LE(rel_err(yv, pr.y, &bad), 8 * u_t) << "y";
   EXPECT_EQ(bad, 0u) << "y elements left unwritten (NaN poison) or not finite";
   EXPECT_LE(rel_err(av, pr.a_next, &bad), 8 * u_t) << "a_next";

@@ -34,16 +34,11 @@ using kfuse::testing::nan_bits;
 using kfuse::testing::random_nonzero_bits;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
+using kfuse::testing::to_device;
 namespace k = kfuse::kernels;
 
 constexpr int kGuard = 16;  // floats after each destination
 constexpr float kGuardValue = 12345.0f;
-
-template <class V>
-cudaError_t upload(DeviceBuffer& d, const std::vector<V>& host) {
-  if (const cudaError_t e = d.alloc(host.size() * sizeof(V)); e != cudaSuccess) return e;
-  return cudaMemcpy(d.ptr, host.data(), d.bytes, cudaMemcpyHostToDevice);
-}
 
 std::vector<float> random_floats(size_t n, std::mt19937& rng) {
   std::uniform_real_distribution<float> d(-1.0f, 1.0f);
@@ -82,7 +77,7 @@ TEST_P(GradLayoutGpuTest, FinalizeEveryJobKindInOneLaunch) {
   std::vector<GradJob> jobs(count);
   DeviceBuffer alpha;
   const float alpha_value = 0.625f;
-  ASSERT_EQ(upload(alpha, std::vector<float>{alpha_value}), cudaSuccess);
+  ASSERT_EQ(to_device(alpha, std::vector<float>{alpha_value}), cudaSuccess);
   for (int j = 0; j < count; ++j) {
     const Spec& sp = specs[j];
     const size_t elems = size_t(sp.k) * sp.r * sp.s * sp.c, taps = size_t(sp.r) * sp.s;
@@ -90,16 +85,16 @@ TEST_P(GradLayoutGpuTest, FinalizeEveryJobKindInOneLaunch) {
     if (sp.g_is_t) {
       const std::vector<uint16_t> bits = random_nonzero_bits(elems, dt, rng);
       for (size_t i = 0; i < elems; ++i) gv[i] = bits_to_float(bits[i], dt);
-      ASSERT_EQ(upload(g[j], bits), cudaSuccess);
+      ASSERT_EQ(to_device(g[j], bits), cudaSuccess);
     } else {
       const std::vector<float> f = random_floats(elems, rng);
       for (size_t i = 0; i < elems; ++i) gv[i] = f[i];
-      ASSERT_EQ(upload(g[j], f), cudaSuccess);
+      ASSERT_EQ(to_device(g[j], f), cudaSuccess);
     }
     const size_t out = sp.kind == 1 ? size_t(sp.k) * sp.c : elems;
     std::vector<float> poison(out + kGuard, std::nanf(""));
     std::fill(poison.end() - kGuard, poison.end(), kGuardValue);
-    ASSERT_EQ(upload(dst[j], poison), cudaSuccess);
+    ASSERT_EQ(to_device(dst[j], poison), cudaSuccess);
     want[j].assign(out, 0.0);
     for (int kk = 0; kk < sp.k; ++kk)
       for (int ci = 0; ci < sp.c; ++ci)
@@ -120,13 +115,13 @@ TEST_P(GradLayoutGpuTest, FinalizeEveryJobKindInOneLaunch) {
         const double term = bits_to_float(w[i], dt) * gv[i];
         want_dot[j] += term, dot_mag[j] += std::fabs(term);
       }
-      ASSERT_EQ(upload(dot_w[j], w), cudaSuccess);
-      ASSERT_EQ(upload(dst_dot[j], std::vector<float>{std::nanf("")}), cudaSuccess);
+      ASSERT_EQ(to_device(dot_w[j], w), cudaSuccess);
+      ASSERT_EQ(to_device(dst_dot[j], std::vector<float>{std::nanf("")}), cudaSuccess);
       job.dot_w = dot_w[j].ptr, job.dst_dot = dst_dot[j].as<float>();
     }
   }
   DeviceBuffer djobs, ws;
-  ASSERT_EQ(upload(djobs, jobs), cudaSuccess);
+  ASSERT_EQ(to_device(djobs, jobs), cudaSuccess);
   ASSERT_EQ(ws.alloc(k::grad_finalize_workspace_bytes(count)), cudaSuccess);
   ASSERT_EQ(k::launch_grad_finalize(djobs.as<GradJob>(), count, dt, ws.ptr, stream_.stream), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream_.stream), cudaSuccess);
@@ -165,12 +160,12 @@ TEST_P(GradLayoutGpuTest, AddAndSumInPlaceAndNot) {
   for (bool in_place : {false, true}) {
     SCOPED_TRACE(in_place ? "in place (out is a)" : "out of place");
     DeviceBuffer da, db, dout, dsum, ws;
-    ASSERT_EQ(upload(da, a), cudaSuccess);
-    ASSERT_EQ(upload(db, b), cudaSuccess);
+    ASSERT_EQ(to_device(da, a), cudaSuccess);
+    ASSERT_EQ(to_device(db, b), cudaSuccess);
     std::vector<uint16_t> poison(size_t(n) + 8 * kGuard, nan_bits(dt));
     std::fill(poison.begin() + n, poison.end(), uint16_t(0x1234));
-    ASSERT_EQ(upload(dout, poison), cudaSuccess);
-    ASSERT_EQ(upload(dsum, std::vector<float>{std::nanf("")}), cudaSuccess);
+    ASSERT_EQ(to_device(dout, poison), cudaSuccess);
+    ASSERT_EQ(to_device(dsum, std::vector<float>{std::nanf("")}), cudaSuccess);
     ASSERT_EQ(ws.alloc(k::add_and_sum_workspace_bytes(n)), cudaSuccess);
     void* out = in_place ? da.ptr : dout.ptr;
     ASSERT_EQ(k::launch_add_and_sum(da.ptr, db.ptr, out, n, dsum.as<float>(), dt, ws.ptr, stream_.stream),

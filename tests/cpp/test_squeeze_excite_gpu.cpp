@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "conv_reference.h"
 #include "gpu_test_support.h"
 
 #include <algorithm>
@@ -36,11 +37,14 @@ namespace {
 
 using kfuse::bits_to_float;
 using kfuse::float_to_bits;
+using kfuse::testing::decode;
 using kfuse::testing::DeviceBuffer;
 using kfuse::testing::nan_bits;
 using kfuse::testing::random_nonzero_bits;
+using kfuse::testing::rel_err;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
+using kfuse::testing::to_device;
 
 using kfuse::kernels::ConvDType;
 using kfuse::kernels::launch_squeeze_excite;
@@ -171,28 +175,22 @@ Problem make_problem(const SeCase& c, ConvDType dt, std::mt19937& rng) {
   return pr;
 }
 
-template <class V>
-cudaError_t upload(DeviceBuffer& d, const std::vector<V>& host) {
-  if (const cudaError_t e = d.alloc(host.size() * sizeof(V)); e != cudaSuccess) return e;
-  return cudaMemcpy(d.ptr, host.data(), d.bytes, cudaMemcpyHostToDevice);
-}
-
 struct Device {
   DeviceBuffer o, identity, w1, b1, w2, b2, w1_t, w2_t, rowsum, scalars, y, a_next, out;
   StreamGuard stream;
 };
 
 void setup(const SeCase& c, const Problem& pr, Device* d) {
-  ASSERT_EQ(upload(d->o, pr.o), cudaSuccess);
-  ASSERT_EQ(upload(d->identity, pr.identity), cudaSuccess);
-  ASSERT_EQ(upload(d->w1, pr.w1), cudaSuccess);
-  ASSERT_EQ(upload(d->b1, pr.b1), cudaSuccess);
-  ASSERT_EQ(upload(d->w2, pr.w2), cudaSuccess);
-  ASSERT_EQ(upload(d->b2, pr.b2), cudaSuccess);
-  ASSERT_EQ(upload(d->w1_t, pr.w1_t), cudaSuccess);
-  ASSERT_EQ(upload(d->w2_t, pr.w2_t), cudaSuccess);
-  ASSERT_EQ(upload(d->rowsum, pr.rowsum), cudaSuccess);
-  ASSERT_EQ(upload(d->scalars, std::vector<float>(pr.scalars, pr.scalars + 3)), cudaSuccess);
+  ASSERT_EQ(to_device(d->o, pr.o), cudaSuccess);
+  ASSERT_EQ(to_device(d->identity, pr.identity), cudaSuccess);
+  ASSERT_EQ(to_device(d->w1, pr.w1), cudaSuccess);
+  ASSERT_EQ(to_device(d->b1, pr.b1), cudaSuccess);
+  ASSERT_EQ(to_device(d->w2, pr.w2), cudaSuccess);
+  ASSERT_EQ(to_device(d->b2, pr.b2), cudaSuccess);
+  ASSERT_EQ(to_device(d->w1_t, pr.w1_t), cudaSuccess);
+  ASSERT_EQ(to_device(d->w2_t, pr.w2_t), cudaSuccess);
+  ASSERT_EQ(to_device(d->rowsum, pr.rowsum), cudaSuccess);
+  ASSERT_EQ(to_device(d->scalars, std::vector<float>(pr.scalars, pr.scalars + 3)), cudaSuccess);
   const size_t elems = size_t(c.n) * c.hw * c.p;
   ASSERT_EQ(d->y.alloc(elems * 2), cudaSuccess);
   ASSERT_EQ(d->a_next.alloc(elems * 2), cudaSuccess);
@@ -245,24 +243,6 @@ void run(const SeCase& c, ConvDType dt, const Problem& pr, Device* d, Outputs* o
   }
 }
 
-// Normwise relative error of got against want; counts elements that are not finite.
-double rel_err(const std::vector<double>& got, const std::vector<double>& want, size_t* bad) {
-  double num = 0, den = 0;
-  *bad = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) ++*bad;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return std::sqrt(num / den);
-}
-
-std::vector<double> to_double(const std::vector<uint16_t>& bits, ConvDType dt) {
-  std::vector<double> out(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) out[i] = bits_to_float(bits[i], dt);
-  return out;
-}
-
 class SqueezeExciteGpuTest : public ::testing::TestWithParam<SeParam> {};
 
 TEST_P(SqueezeExciteGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
@@ -282,7 +262,7 @@ TEST_P(SqueezeExciteGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
 
   const double u_t = dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
   size_t bad = 0;
-  const std::vector<double> y = to_double(first.y, dt);
+  const std::vector<double> y = decode(first.y, dt);
   EXPECT_LE(rel_err(y, pr.y, &bad), 4 * u_t) << "y";
   EXPECT_EQ(bad, 0u) << "y elements left unwritten (NaN poison) or not finite";
 
@@ -290,7 +270,7 @@ TEST_P(SqueezeExciteGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   const uint16_t b1a_t = float_to_bits(b1a, dt);
   std::vector<double> a_ref(pr.y.size());
   for (size_t i = 0; i < a_ref.size(); ++i) a_ref[i] = pr.y[i] + b1a;
-  EXPECT_LE(rel_err(to_double(first.a_next, dt), a_ref, &bad), 4 * u_t) << "a_next";
+  EXPECT_LE(rel_err(decode(first.a_next, dt), a_ref, &bad), 4 * u_t) << "a_next";
   EXPECT_EQ(bad, 0u) << "a_next elements left unwritten (NaN poison) or not finite";
   size_t mask_wrong = 0;
   for (size_t i = 0; i < y.size(); ++i) {

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "conv_reference.h"
 #include "gpu_test_support.h"
 
 #include <algorithm>
@@ -31,11 +32,14 @@ namespace {
 
 using kfuse::bits_to_float;
 using kfuse::float_to_bits;
+using kfuse::testing::decode;
 using kfuse::testing::DeviceBuffer;
 using kfuse::testing::nan_bits;
 using kfuse::testing::random_nonzero_bits;
+using kfuse::testing::rel_err;
 using kfuse::testing::seed_for;
 using kfuse::testing::StreamGuard;
+using kfuse::testing::to_device;
 
 using kfuse::kernels::ConvDType;
 using kfuse::kernels::InputDType;
@@ -162,12 +166,6 @@ Problem make_problem(const StemCase& c, ConvDType dt, std::mt19937& rng) {
   return pr;
 }
 
-template <class V>
-cudaError_t upload(DeviceBuffer& d, const std::vector<V>& host) {
-  if (const cudaError_t e = d.alloc(host.size() * sizeof(V)); e != cudaSuccess) return e;
-  return cudaMemcpy(d.ptr, host.data(), d.bytes, cudaMemcpyHostToDevice);
-}
-
 struct Device {
   DeviceBuffer x, weight, scale, shift, b1a, x0, a0;
   StreamGuard stream;
@@ -190,23 +188,6 @@ StemArgs make_args(const StemCase& c, const Device& d) {
   return a;
 }
 
-std::vector<double> to_double(const std::vector<uint16_t>& bits, ConvDType dt) {
-  std::vector<double> out(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) out[i] = bits_to_float(bits[i], dt);
-  return out;
-}
-
-double rel_err(const std::vector<double>& got, const std::vector<double>& want, size_t* bad) {
-  double num = 0, den = 0;
-  *bad = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) ++*bad;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return std::sqrt(num / den);
-}
-
 class StemGpuTest : public ::testing::TestWithParam<StemParam> {};
 
 TEST_P(StemGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
@@ -221,11 +202,11 @@ TEST_P(StemGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   const Problem pr = make_problem(c, dt, rng);
 
   Device d;
-  ASSERT_EQ(upload(d.x, pr.x), cudaSuccess);
-  ASSERT_EQ(upload(d.weight, pr.weight), cudaSuccess);
-  ASSERT_EQ(upload(d.scale, pr.scale), cudaSuccess);
-  ASSERT_EQ(upload(d.shift, pr.shift), cudaSuccess);
-  ASSERT_EQ(upload(d.b1a, pr.b1a), cudaSuccess);
+  ASSERT_EQ(to_device(d.x, pr.x), cudaSuccess);
+  ASSERT_EQ(to_device(d.weight, pr.weight), cudaSuccess);
+  ASSERT_EQ(to_device(d.scale, pr.scale), cudaSuccess);
+  ASSERT_EQ(to_device(d.shift, pr.shift), cudaSuccess);
+  ASSERT_EQ(to_device(d.b1a, pr.b1a), cudaSuccess);
   ASSERT_EQ(d.x0.alloc(pr.x0.size() * 2), cudaSuccess);
   ASSERT_EQ(d.a0.alloc(pr.a0.size() * 2), cudaSuccess);
   ASSERT_EQ(cudaStreamCreateWithFlags(&d.stream.stream, cudaStreamNonBlocking), cudaSuccess);
@@ -245,10 +226,10 @@ TEST_P(StemGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
 
   const double tol = 4 * (dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8));
   size_t bad = 0;
-  EXPECT_LE(rel_err(to_double(x0, dt), pr.x0, &bad), tol) << "x0";
+  EXPECT_LE(rel_err(decode(x0, dt), pr.x0, &bad), tol) << "x0";
   EXPECT_EQ(bad, 0u) << "x0 elements left unwritten (NaN poison) or not finite";
   if (c.a0) {
-    EXPECT_LE(rel_err(to_double(a0, dt), pr.a0, &bad), tol) << "a0";
+    EXPECT_LE(rel_err(decode(a0, dt), pr.a0, &bad), tol) << "a0";
     EXPECT_EQ(bad, 0u) << "a0 elements left unwritten (NaN poison) or not finite";
   } else {
     EXPECT_TRUE(std::all_of(a0.begin(), a0.end(), [&](uint16_t b) { return b == nan_bits(dt); }))
