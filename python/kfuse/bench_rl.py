@@ -260,6 +260,20 @@ def _ddp_worker(rank: int, world: int, impl: str, envs: int, steps: int, iterati
             dist.destroy_process_group()
 
 
+def combine_ranks(ranks: list[dict]) -> dict:
+    """One row from every rank's time_iterations of a data-parallel run whose ranks start each iteration together: an
+    iteration lasts as long as its slowest rank's, its update is what it takes after the slowest rollout; frames/s
+    counts every rank's frames over the median iteration."""
+    whole = [max(t) for t in zip(*(r["iterations_ms"] for r in ranks))]
+    rollouts = [max(t) for t in zip(*(r["rollouts_ms"] for r in ranks))]
+    iteration = statistics.median(whole)
+    frames = sum(r["frames_per_iteration"] for r in ranks)
+    return {"fps": round(frames / (iteration / 1e3), 1), "iteration_ms": iteration,
+            "rollout_ms": round(statistics.median(rollouts), 3),
+            "update_ms": round(statistics.median(w - r for w, r in zip(whole, rollouts)), 3),
+            "frames_per_iteration": frames}
+
+
 def run_rl_ddp(args, meta_dev: dict, out_dir: Path, gpus: int, device_type: str = "cuda",
                steps: int = RL_STEPS) -> list:
     """Weak scaling of the loop: `gpus` processes of `envs` environments each (one per GPU, NCCL, DDP) against one
@@ -281,19 +295,10 @@ def run_rl_ddp(args, meta_dev: dict, out_dir: Path, gpus: int, device_type: str 
                 else:
                     spawn_with_deadline(_ddp_worker, worker_args, world, timeout_s=900)
                 ranks = torch.load(out)
-            # Every rank starts each iteration together: an iteration lasts as long as its slowest rank's, and its
-            # update is what it takes after the slowest rollout.
-            whole = [max(t) for t in zip(*(r["iterations_ms"] for r in ranks))]
-            rollouts = [max(t) for t in zip(*(r["rollouts_ms"] for r in ranks))]
-            iteration = statistics.median(whole)
-            rollout = round(statistics.median(rollouts), 3)
-            update = round(statistics.median(w - r for w, r in zip(whole, rollouts)), 3)
-            frames = sum(r["frames_per_iteration"] for r in ranks)
-            row = {"impl": f"{impl} x{world}", "fps": round(frames / (iteration / 1e3), 1), "iteration_ms": iteration,
-                   "rollout_ms": rollout, "update_ms": update, "frames_per_iteration": frames, "gpus": world}
+            row = {"impl": f"{impl} x{world}", **combine_ranks(ranks), "gpus": world}
             rows.append(row)
-            print(f"[bench] rl {row['impl']}: {row['fps']:.0f} frames/s (rollout {rollout:.1f} ms, update "
-                  f"{update:.1f} ms)", flush=True)
+            print(f"[bench] rl {row['impl']}: {row['fps']:.0f} frames/s (rollout {row['rollout_ms']:.1f} ms, update "
+                  f"{row['update_ms']:.1f} ms)", flush=True)
         one, many = rows[-2], rows[-1]
         many["scaling"] = round(many["fps"] / one["fps"], 3)
         many["update_vs_one"] = round(many["update_ms"] / one["update_ms"], 3)

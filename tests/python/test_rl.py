@@ -197,3 +197,21 @@ def test_data_parallel_benchmark_runs_over_two_processes(tmp_path):
     assert rows[1]["frames_per_iteration"] == 2 * rows[0]["frames_per_iteration"] == 8
     assert rows[1]["scaling"] > 0 and rows[1]["update_vs_one"] > 0
     assert json.loads((tmp_path / "rl-ddp2-c3.json").read_text())["meta"]["backend"] == "gloo"
+
+
+def test_data_parallel_frames_per_second_count_an_iteration_once():
+    """The weak-scaling row (bench_rl.combine_ranks): ranks start each iteration together, so an iteration lasts as
+    long as its slowest rank's. Here rank 0's rollout ends 30 ms before rank 1's and its update (which waits at the
+    first all-reduce for rank 1) takes 30 ms longer: both ranks' iterations last 100 ms. Adding the slowest rollout
+    (60) to the slowest update (70), as the first version did, counted that wait twice (130 ms)."""
+    from kfuse import bench_rl
+
+    ranks = [{"rollouts_ms": [30.0, 30.0, 30.0], "iterations_ms": [100.0, 100.0, 100.0], "frames_per_iteration": 4096},
+             {"rollouts_ms": [60.0, 60.0, 60.0], "iterations_ms": [100.0, 100.0, 100.0], "frames_per_iteration": 4096}]
+    row = bench_rl.combine_ranks(ranks)
+    assert row["iteration_ms"] == 100.0
+    assert row["fps"] == 8192 / 0.1
+    assert row["rollout_ms"] == 60.0 and row["update_ms"] == 40.0
+    # One slow iteration on one rank is one slow iteration, not a slow median.
+    ranks[1]["iterations_ms"] = [100.0, 250.0, 100.0]
+    assert bench_rl.combine_ranks(ranks)["iteration_ms"] == 100.0
