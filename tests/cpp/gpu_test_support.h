@@ -4,7 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -90,6 +92,47 @@ cudaError_t to_device(DeviceBuffer& d, const std::vector<V>& host) {
 inline std::vector<double> decode(const std::vector<uint16_t>& bits, kernels::ConvDType dt) {
   std::vector<double> out(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) out[i] = bits_to_float(bits[i], dt);
+  return out;
+}
+
+// fp16's or bf16's unit roundoff: 2^-11, 2^-8.
+inline double unit_roundoff(kernels::ConvDType dt) {
+  return dt == kernels::ConvDType::kF16 ? 1.0 / 2048 : 1.0 / 256;
+}
+
+// The mask the backward reads from a ReLU's output y through v = y + post (numeric.cuh, faithful rounding): v > T(post)
+// exactly where y > 0, and v == T(post) where y == 0. Returns how many elements break it (post_t: T(post) decoded).
+inline size_t after_relu_mask_mismatches(const std::vector<double>& y, const std::vector<double>& v, double post_t) {
+  size_t wrong = 0;
+  for (size_t i = 0; i < y.size(); ++i) wrong += y[i] > 0 ? !(v[i] > post_t) : !(v[i] == post_t);
+  return wrong;
+}
+
+// A kernel test's case (anything with a `name`) crossed with the two 16-bit types: the parameter, its label
+// ("<name>/f16", also the seed's name), gtest's name for it ("<name>_f16") and the list of every case in both types.
+template <class Case>
+struct DtypeCase {
+  Case c;
+  kernels::ConvDType dtype;
+  std::string label() const { return std::string(c.name) + (dtype == kernels::ConvDType::kF16 ? "/f16" : "/bf16"); }
+};
+template <class Case>
+void PrintTo(const DtypeCase<Case>& p, std::ostream* os) {
+  *os << p.label();
+}
+struct DtypeCaseName {
+  template <class Info>
+  std::string operator()(const Info& info) const {
+    std::string name = info.param.label();
+    name[name.find('/')] = '_';
+    return name;
+  }
+};
+template <class Case, size_t N>
+std::vector<DtypeCase<Case>> with_both_dtypes(const Case (&cases)[N]) {
+  std::vector<DtypeCase<Case>> out;
+  for (const Case& c : cases)
+    for (kernels::ConvDType dt : {kernels::ConvDType::kF16, kernels::ConvDType::kBF16}) out.push_back({c, dt});
   return out;
 }
 

@@ -59,11 +59,7 @@ const DenseCase kCases[] = {
     {"n2_3x3_c64_k128_s2", Conv2dProblem{2, 3, 3, 64, 128, 3, 3, 1, 1, 2, 2}, 8},
 };
 
-struct DenseParam {
-  DenseCase c;
-  ConvDType dtype;
-};
-void PrintTo(const DenseParam& p, std::ostream* os) { *os << p.c.name << (p.dtype == kF16 ? "/f16" : "/bf16"); }
+using DenseParam = kfuse::testing::DtypeCase<DenseCase>;
 
 class DenseConvGpuTest : public ::testing::TestWithParam<DenseParam> {
  protected:
@@ -72,7 +68,7 @@ class DenseConvGpuTest : public ::testing::TestWithParam<DenseParam> {
       GTEST_SKIP() << why;
     const Conv2dProblem& p = GetParam().c.p;
     ASSERT_TRUE(k::dense_conv_can_implement(p, GetParam().dtype));
-    rng_.seed(seed_for(std::string(GetParam().c.name) + (GetParam().dtype == kF16 ? "/f16" : "/bf16")));
+    rng_.seed(seed_for(GetParam().label()));
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream_.stream, cudaStreamNonBlocking), cudaSuccess);
   }
   std::mt19937 rng_;
@@ -96,7 +92,7 @@ TEST_P(DenseConvGpuTest, ForwardMatchesFloat64Reference) {
   std::vector<uint16_t> y(out);
   ASSERT_EQ(cudaMemcpy(y.data(), dy.ptr, dy.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   size_t bad = 0;
-  const double u_t = dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  const double u_t = kfuse::testing::unit_roundoff(dt);
   EXPECT_LE(rel_err(decode(y, dt), kfuse::testing::reference_fprop_fixup(p, x, w, dt, 1, 0, 0, false), &bad),
             2 * u_t);
   EXPECT_EQ(bad, 0u) << "outputs left unwritten (NaN poison) or not finite";
@@ -158,7 +154,7 @@ TEST_P(DenseConvGpuTest, UnrolledFilterWithExtraRowsAndItsRunFlag) {
     }
   }
   size_t bad = 0;
-  const double u_t = dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  const double u_t = kfuse::testing::unit_roundoff(dt);
   EXPECT_LE(rel_err(got, want, &bad), 2 * u_t);
   EXPECT_EQ(bad, 0u) << "outputs left unwritten (NaN poison) or not finite";
 }
@@ -184,17 +180,8 @@ TEST_P(DenseConvGpuTest, WeightGradientMatchesFloat64Reference) {
   EXPECT_EQ(bad, 0u) << "gradient elements left unwritten (NaN poison) or not finite";
 }
 
-std::vector<DenseParam> all_params() {
-  std::vector<DenseParam> out;
-  for (const DenseCase& c : kCases)
-    for (ConvDType dt : {kF16, kBF16}) out.push_back({c, dt});
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Kernels, DenseConvGpuTest, ::testing::ValuesIn(all_params()),
-                         [](const ::testing::TestParamInfo<DenseParam>& info) {
-                           return std::string(info.param.c.name) + (info.param.dtype == kF16 ? "_f16" : "_bf16");
-                         });
+INSTANTIATE_TEST_SUITE_P(Kernels, DenseConvGpuTest, ::testing::ValuesIn(kfuse::testing::with_both_dtypes(kCases)),
+                         kfuse::testing::DtypeCaseName());
 
 // Which problems run densely (host only): maps no larger than the filter, C and K multiples of 8.
 TEST(DenseConv, CanImplementOnlyMapsNoLargerThanTheFilter) {

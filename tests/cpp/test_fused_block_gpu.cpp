@@ -67,11 +67,7 @@ const BlockCase kCases[] = {
     {"wgmma_training_n2_16x16", Kernel::kWgmmaTraining, 2, 16, 16},
 };
 
-struct BlockParam {
-  BlockCase c;
-  ConvDType dtype;
-};
-void PrintTo(const BlockParam& p, std::ostream* os) { *os << p.c.name << (p.dtype == kF16 ? "/f16" : "/bf16"); }
+using BlockParam = kfuse::testing::DtypeCase<BlockCase>;
 
 // y[n][i][j][k] = sum over (r, s, c) of w[k][r][s][c] x[n][i + r - 1][j + s - 1][c] (zero padding), NHWC, KRSC.
 std::vector<double> conv3x3(const std::vector<double>& x, const std::vector<double>& w, int n, int h, int wd) {
@@ -175,7 +171,7 @@ TEST_P(FusedBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
                                     : kfuse::testing::device_skip_reason(8, 9, "the fused block");
       !why.empty())
     GTEST_SKIP() << why;
-  const std::string name = std::string(c.name) + (dt == kF16 ? "/f16" : "/bf16");
+  const std::string name = GetParam().label();
   const uint32_t seed = seed_for(name);
   SCOPED_TRACE(name + " seed=" + std::to_string(seed));
   std::mt19937 rng(seed);
@@ -226,7 +222,7 @@ TEST_P(FusedBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   Outputs first, second;
   ASSERT_NO_FATAL_FAILURE(run(&first));
 
-  const double u_t = dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  const double u_t = kfuse::testing::unit_roundoff(dt);
   size_t bad = 0;
   const std::vector<double> yv = decode(first.y, dt), av = decode(first.a_next, dt);
   EXPECT_LE(rel_err(yv, pr.y, &bad), 8 * u_t) << "y";
@@ -234,9 +230,8 @@ TEST_P(FusedBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   EXPECT_LE(rel_err(av, pr.a_next, &bad), 8 * u_t) << "a_next";
   EXPECT_EQ(bad, 0u) << "a_next elements left unwritten (NaN poison) or not finite";
   const double nb1a = bits_to_float(float_to_bits(pr.scalars[5], dt), dt);
-  size_t wrong = 0;
-  for (size_t i = 0; i < elems; ++i) wrong += yv[i] > 0 ? !(av[i] > nb1a) : !(av[i] == nb1a);
-  EXPECT_EQ(wrong, 0u) << "elements where a_next > T(next_b1a) does not say y > 0";
+  EXPECT_EQ(kfuse::testing::after_relu_mask_mismatches(yv, av, nb1a), 0u)
+      << "elements where a_next > T(next_b1a) does not say y > 0";
 
   if (training) {
     const std::vector<double> hv = decode(first.h, dt), h2v = decode(first.h2, dt);
@@ -247,7 +242,7 @@ TEST_P(FusedBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
     EXPECT_LE(rel_err(decode(first.v, dt), pr.v, &bad), 4 * u_t) << "v (conv2's raw output)";
     EXPECT_EQ(bad, 0u) << "v elements left unwritten or not finite";
     const double b2a = bits_to_float(float_to_bits(pr.scalars[2], dt), dt);
-    wrong = 0;
+    size_t wrong = 0;
     for (size_t i = 0; i < elems; ++i) wrong += (hv[i] > 0) != (h2v[i] > b2a);
     EXPECT_EQ(wrong, 0u) << "elements where h2 > T(b2a) does not say h > 0";
   }
@@ -262,17 +257,8 @@ TEST_P(FusedBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   }
 }
 
-std::vector<BlockParam> all_params() {
-  std::vector<BlockParam> out;
-  for (const BlockCase& c : kCases)
-    for (ConvDType dt : {kF16, kBF16}) out.push_back({c, dt});
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Kernels, FusedBlockGpuTest, ::testing::ValuesIn(all_params()),
-                         [](const ::testing::TestParamInfo<BlockParam>& info) {
-                           return std::string(info.param.c.name) + (info.param.dtype == kF16 ? "_f16" : "_bf16");
-                         });
+INSTANTIATE_TEST_SUITE_P(Kernels, FusedBlockGpuTest, ::testing::ValuesIn(kfuse::testing::with_both_dtypes(kCases)),
+                         kfuse::testing::DtypeCaseName());
 
 // Shapes the kernels do not take are refused before anything runs (host-only: no device needed for these).
 TEST(FusedBlockArgs, RefusesOtherShapes) {

@@ -62,11 +62,7 @@ const DownCase kCases[] = {
     {"block3_n12", 128, 256, 16, 12, 8, 8},
 };
 
-struct DownParam {
-  DownCase c;
-  ConvDType dtype;
-};
-void PrintTo(const DownParam& p, std::ostream* os) { *os << p.c.name << (p.dtype == kF16 ? "/f16" : "/bf16"); }
+using DownParam = kfuse::testing::DtypeCase<DownCase>;
 
 // NHWC x [n][h][w][cin], KCRS w [k][cin][r][s] (r = s = 3, or 1 for a 1x1 filter), stride `st`, zero padding of
 // (r - 1) / 2: y NHWC [n][h / st][w / st][k].
@@ -180,7 +176,7 @@ TEST_P(FusedDownBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
     GTEST_SKIP() << why;
   const DownCase& c = GetParam().c;
   const ConvDType dt = GetParam().dtype;
-  const std::string name = std::string(c.name) + (dt == kF16 ? "/f16" : "/bf16");
+  const std::string name = GetParam().label();
   const uint32_t seed = seed_for(name);
   SCOPED_TRACE(name + " seed=" + std::to_string(seed));
   std::mt19937 rng(seed);
@@ -225,7 +221,7 @@ TEST_P(FusedDownBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   std::vector<uint16_t> y1, a1, y2, a2;
   ASSERT_NO_FATAL_FAILURE(run(&y1, &a1));
 
-  const double u_t = dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  const double u_t = kfuse::testing::unit_roundoff(dt);
   size_t bad = 0;
   const std::vector<double> yv = decode(y1, dt), av = decode(a1, dt);
   EXPECT_LE(rel_err(yv, pr.y, &bad), 8 * u_t) << "y";
@@ -233,9 +229,8 @@ TEST_P(FusedDownBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   EXPECT_LE(rel_err(av, pr.a_next, &bad), 8 * u_t) << "a_next";
   EXPECT_EQ(bad, 0u) << "a_next elements left unwritten (NaN poison) or not finite";
   const double nb1a = bits_to_float(float_to_bits(pr.scalars[5], dt), dt);
-  size_t wrong = 0;
-  for (size_t i = 0; i < out_elems; ++i) wrong += yv[i] > 0 ? !(av[i] > nb1a) : !(av[i] == nb1a);
-  EXPECT_EQ(wrong, 0u) << "elements where a_next > T(next_b1a) does not say y > 0";
+  EXPECT_EQ(kfuse::testing::after_relu_mask_mismatches(yv, av, nb1a), 0u)
+      << "elements where a_next > T(next_b1a) does not say y > 0";
   std::vector<uint16_t> guard(kGuard);
   ASSERT_EQ(cudaMemcpy(guard.data(), h2.as<uint16_t>() + out_elems, kGuard * 2, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_TRUE(std::all_of(guard.begin(), guard.end(), [](uint16_t b) { return b == kGuardBits; }))
@@ -246,17 +241,8 @@ TEST_P(FusedDownBlockGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   EXPECT_EQ(a1, a2) << "a_next differs between two launches";
 }
 
-std::vector<DownParam> all_params() {
-  std::vector<DownParam> out;
-  for (const DownCase& c : kCases)
-    for (ConvDType dt : {kF16, kBF16}) out.push_back({c, dt});
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Kernels, FusedDownBlockGpuTest, ::testing::ValuesIn(all_params()),
-                         [](const ::testing::TestParamInfo<DownParam>& info) {
-                           return std::string(info.param.c.name) + (info.param.dtype == kF16 ? "_f16" : "_bf16");
-                         });
+INSTANTIATE_TEST_SUITE_P(Kernels, FusedDownBlockGpuTest, ::testing::ValuesIn(kfuse::testing::with_both_dtypes(kCases)),
+                         kfuse::testing::DtypeCaseName());
 
 // The kernels' shapes, as the host sees them (no device needed).
 TEST(FusedDownBlockShapes, OnlyTheTwoBlockShapesOnCompute90) {

@@ -81,11 +81,7 @@ const SeCase kCases[] = {
     {"p64_hw64_n3_h8_generic_raw", 3, 64, 64, 8, true, false, false, true, true},
 };
 
-struct SeParam {
-  SeCase c;
-  ConvDType dtype;
-};
-void PrintTo(const SeParam& p, std::ostream* os) { *os << p.c.name << (p.dtype == kF16 ? "/f16" : "/bf16"); }
+using SeParam = kfuse::testing::DtypeCase<SeCase>;
 
 // The problem's inputs (host) and the float64 reference of every output.
 struct Problem {
@@ -250,7 +246,7 @@ TEST_P(SqueezeExciteGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
     GTEST_SKIP() << why;
   const SeCase& c = GetParam().c;
   const ConvDType dt = GetParam().dtype;
-  const std::string name = std::string(c.name) + (dt == kF16 ? "/f16" : "/bf16");
+  const std::string name = GetParam().label();
   const uint32_t seed = seed_for(name);
   SCOPED_TRACE(name + " seed=" + std::to_string(seed));
   std::mt19937 rng(seed);
@@ -260,7 +256,7 @@ TEST_P(SqueezeExciteGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   Outputs first, second;
   ASSERT_NO_FATAL_FAILURE(run(c, dt, pr, &d, &first));
 
-  const double u_t = dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  const double u_t = kfuse::testing::unit_roundoff(dt);
   size_t bad = 0;
   const std::vector<double> y = decode(first.y, dt);
   EXPECT_LE(rel_err(y, pr.y, &bad), 4 * u_t) << "y";
@@ -272,12 +268,8 @@ TEST_P(SqueezeExciteGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   for (size_t i = 0; i < a_ref.size(); ++i) a_ref[i] = pr.y[i] + b1a;
   EXPECT_LE(rel_err(decode(first.a_next, dt), a_ref, &bad), 4 * u_t) << "a_next";
   EXPECT_EQ(bad, 0u) << "a_next elements left unwritten (NaN poison) or not finite";
-  size_t mask_wrong = 0;
-  for (size_t i = 0; i < y.size(); ++i) {
-    const double a = bits_to_float(first.a_next[i], dt), t = bits_to_float(b1a_t, dt);
-    if (y[i] > 0 ? !(a > t) : !(a == t)) ++mask_wrong;
-  }
-  EXPECT_EQ(mask_wrong, 0u) << "elements where a_next > T(next_b1a) does not say y > 0";
+  EXPECT_EQ(kfuse::testing::after_relu_mask_mismatches(y, decode(first.a_next, dt), bits_to_float(b1a_t, dt)), 0u)
+      << "elements where a_next > T(next_b1a) does not say y > 0";
 
   if (c.out_nchw) {  // out[i][k][q] = y[i][q][k]
     std::vector<double> got(pr.y.size()), want(pr.y.size());
@@ -303,17 +295,8 @@ TEST_P(SqueezeExciteGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
         << "fp32 NCHW out differs between two launches";
 }
 
-std::vector<SeParam> all_params() {
-  std::vector<SeParam> out;
-  for (const SeCase& c : kCases)
-    for (ConvDType dt : {kF16, kBF16}) out.push_back({c, dt});
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Kernels, SqueezeExciteGpuTest, ::testing::ValuesIn(all_params()),
-                         [](const ::testing::TestParamInfo<SeParam>& info) {
-                           return std::string(info.param.c.name) + (info.param.dtype == kF16 ? "_f16" : "_bf16");
-                         });
+INSTANTIATE_TEST_SUITE_P(Kernels, SqueezeExciteGpuTest, ::testing::ValuesIn(kfuse::testing::with_both_dtypes(kCases)),
+                         kfuse::testing::DtypeCaseName());
 
 // A rejected call returns cudaErrorInvalidValue before any CUDA call: no device needed.
 TEST(SqueezeExciteArgs, RejectsIncompleteOrInconsistentArguments) {

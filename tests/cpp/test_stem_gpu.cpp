@@ -71,11 +71,7 @@ const StemCase kCases[] = {
     {"c3_channels_last_f32_n4_32x32_affine", InputDType::kF32, Layout::kChannelsLast, 4, 3, 32, 32, 64, true, true},
 };
 
-struct StemParam {
-  StemCase c;
-  ConvDType dtype;
-};
-void PrintTo(const StemParam& p, std::ostream* os) { *os << p.c.name << (p.dtype == kF16 ? "/f16" : "/bf16"); }
+using StemParam = kfuse::testing::DtypeCase<StemCase>;
 
 int kpad_of(int c) { return (16 * c + 63) / 64 * 64; }
 
@@ -195,7 +191,7 @@ TEST_P(StemGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
     GTEST_SKIP() << why;
   const StemCase& c = GetParam().c;
   const ConvDType dt = GetParam().dtype;
-  const std::string name = std::string(c.name) + (dt == kF16 ? "/f16" : "/bf16");
+  const std::string name = GetParam().label();
   const uint32_t seed = seed_for(name);
   SCOPED_TRACE(name + " seed=" + std::to_string(seed));
   std::mt19937 rng(seed);
@@ -224,7 +220,7 @@ TEST_P(StemGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   std::vector<uint16_t> x0, a0, x0_again, a0_again;
   ASSERT_NO_FATAL_FAILURE(run(&x0, &a0));
 
-  const double tol = 4 * (dt == kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8));
+  const double tol = 4 * kfuse::testing::unit_roundoff(dt);
   size_t bad = 0;
   EXPECT_LE(rel_err(decode(x0, dt), pr.x0, &bad), tol) << "x0";
   EXPECT_EQ(bad, 0u) << "x0 elements left unwritten (NaN poison) or not finite";
@@ -240,17 +236,8 @@ TEST_P(StemGpuTest, MatchesFloat64ReferenceAndRepeatsBitExactly) {
   EXPECT_EQ(a0, a0_again) << "a0 differs between two launches";
 }
 
-std::vector<StemParam> all_params() {
-  std::vector<StemParam> out;
-  for (const StemCase& c : kCases)
-    for (ConvDType dt : {kF16, kBF16}) out.push_back({c, dt});
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Kernels, StemGpuTest, ::testing::ValuesIn(all_params()),
-                         [](const ::testing::TestParamInfo<StemParam>& info) {
-                           return std::string(info.param.c.name) + (info.param.dtype == kF16 ? "_f16" : "_bf16");
-                         });
+INSTANTIATE_TEST_SUITE_P(Kernels, StemGpuTest, ::testing::ValuesIn(kfuse::testing::with_both_dtypes(kCases)),
+                         kfuse::testing::DtypeCaseName());
 
 // A rejected call returns cudaErrorInvalidValue before any CUDA call: no device needed.
 TEST(StemArgs, RejectsInconsistentArguments) {
