@@ -10,21 +10,13 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <random>
 #include <vector>
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e = (x);                                                                        \
-    if (e != cudaSuccess) {                                                                     \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));             \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+#include "bench_util.h"
+
 #define CL(x)                                                                                   \
   do {                                                                                          \
     cublasStatus_t s = (x);                                                                     \
@@ -34,46 +26,11 @@
     }                                                                                           \
   } while (0)
 
+using namespace fp8_bench;
+
 namespace {
 
 constexpr size_t kWorkspace = 32u << 20;
-
-double median_us(const std::function<void()>& launch) {
-  for (int i = 0; i < 5; ++i) launch();
-  std::vector<double> rounds;
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int r = 0; r < 5; ++r) {
-    CK(cudaEventRecord(a));
-    for (int i = 0; i < 50; ++i) launch();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    rounds.push_back(1e3 * ms / 50);
-  }
-  std::sort(rounds.begin(), rounds.end());
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  return rounds[2];
-}
-
-void* random_device_bytes(size_t bytes, std::mt19937& rng, bool fp8) {
-  std::vector<unsigned char> h(bytes);
-  if (fp8) {  // e4m3 magnitudes in [2^-3, 2^1): exponent bits 4..7, any mantissa and sign
-    for (auto& v : h) v = (unsigned char)((rng() & 0x80) | ((4 + rng() % 4) << 3) | (rng() & 7));
-  } else {  // fp16 in [-1, 1): exponent 10..14 (2^-5 .. 2^-1), any mantissa and sign
-    for (size_t i = 0; i + 1 < bytes; i += 2) {
-      const unsigned v = (rng() & 0x8000u) | ((10u + rng() % 5u) << 10) | (rng() & 0x3ffu);
-      h[i] = (unsigned char)(v & 0xff), h[i + 1] = (unsigned char)(v >> 8);
-    }
-  }
-  void* d = nullptr;
-  CK(cudaMalloc(&d, bytes));
-  CK(cudaMemcpy(d, h.data(), bytes, cudaMemcpyHostToDevice));
-  return d;
-}
 
 // Row-major y[n][m] = x[n][k] W^T with W row-major [m][k]: column-major y^T = op_T(W) x^T, the "TN" form cuBLASLt's
 // fp8 kernels require. Returns the GPU time per launch (us) of the best heuristic algorithm, or -1 where there is none.
@@ -117,6 +74,7 @@ double time_gemm(cublasLtHandle_t lt, int m, int n, int k, bool fp8, std::mt1993
     const double t = median_us([&] {
       CL(cublasLtMatmul(lt, op, &alpha, w, a_l, x, b_l, &beta, y, y_l, y, y_l, &best[i].algo, workspace, kWorkspace,
                         nullptr));
+      return cudaSuccess;
     });
     if (us < 0 || t < us) us = t;
   }
