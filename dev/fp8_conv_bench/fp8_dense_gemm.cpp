@@ -40,7 +40,9 @@ double time_gemm(cublasLtHandle_t lt, int m, int n, int k, bool fp8, std::mt1993
   void* w = random_device_bytes(size_t(m) * k * in_bytes, rng, fp8);
   void* x = random_device_bytes(size_t(n) * k * in_bytes, rng, fp8);
   void* y = nullptr;
+  void* c = nullptr;  // C apart from D: the in-place form (C == D) is one suspect of the e4m3 refusals
   CK(cudaMalloc(&y, size_t(m) * n * 2));
+  CK(cudaMalloc(&c, size_t(m) * n * 2));
   float* scales = nullptr;  // a, b: the dequantization scales (per tensor)
   CK(cudaMalloc(&scales, 2 * sizeof(float)));
   const float one[2] = {1.0f, 1.0f};
@@ -71,11 +73,17 @@ double time_gemm(cublasLtHandle_t lt, int m, int n, int k, bool fp8, std::mt1993
   double us = -1;
   const float alpha = 1.0f, beta = 0.0f;
   for (int i = 0; i < found; ++i) {  // the heuristics' first few, the fastest kept
-    const double t = median_us([&] {
-      CL(cublasLtMatmul(lt, op, &alpha, w, a_l, x, b_l, &beta, y, y_l, y, y_l, &best[i].algo, workspace, kWorkspace,
-                        nullptr));
-      return cudaSuccess;
-    });
+    auto matmul = [&] {
+      return cublasLtMatmul(lt, op, &alpha, w, a_l, x, b_l, &beta, c, y_l, y, y_l, &best[i].algo, workspace,
+                            kWorkspace, nullptr);
+    };
+    // The heuristic may offer algorithms that then refuse the problem (status 15, not supported): skip those.
+    if (const cublasStatus_t s = matmul(); s != CUBLAS_STATUS_SUCCESS) {
+      std::printf("  (%s m=%d n=%d k=%d: algorithm %d of %d refused, cublas status %d)\n", fp8 ? "e4m3" : "fp16", m,
+                  n, k, i, found, int(s));
+      continue;
+    }
+    const double t = median_us([&] { return matmul() == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; });
     if (us < 0 || t < us) us = t;
   }
   cublasLtMatmulPreferenceDestroy(pref);
@@ -83,7 +91,7 @@ double time_gemm(cublasLtHandle_t lt, int m, int n, int k, bool fp8, std::mt1993
   cublasLtMatrixLayoutDestroy(b_l);
   cublasLtMatrixLayoutDestroy(y_l);
   cublasLtMatmulDescDestroy(op);
-  for (void* p : {w, x, y, static_cast<void*>(scales)}) CK(cudaFree(p));
+  for (void* p : {w, x, y, c, static_cast<void*>(scales)}) CK(cudaFree(p));
   return us;
 }
 

@@ -1,6 +1,6 @@
 """How much of a bf16 gradient's error against float64 is ReLU decisions (GPU; run from the repository root):
     PYTHONPATH=python:tests/python python3 dev/scalar_grad_diag/relu_decisions.py [seeds...]
-    PYTHONPATH=python:tests/python python3 dev/scalar_grad_diag/relu_decisions.py --sweep FIRST COUNT
+    PYTHONPATH=python:tests/python python3 dev/scalar_grad_diag/relu_decisions.py --sweep FIRST COUNT [fp16]
 
 For the gradient-accuracy test's problem bf16, 96 x 64, C = 11, N = 1 (seed 2111, the known failing case) and other
 seeds of the same shape: a functional float64 forward whose ReLUs (stem, each block's conv1, squeeze-excite hidden
@@ -108,26 +108,29 @@ def run(seed):
               "; ".join(f"{r:+.1e}: {c[0]:.1e} {c[1]:.1e}" for r, c in changes))
 
 
-def sweep(first, count):
+def sweep(first, count, dtype=torch.bfloat16):
     """One line per seed: block 4's fixup_bias1b and conv1.weight errors of kfuse and of PyTorch's worst realization,
-    the output errors, and PyTorch bf16's decision flips in block 4's conv1 ReLU; then the medians."""
+    the output errors, and PyTorch's decision flips in block 4's conv1 ReLU; then the medians. dtype as in the
+    gradient-accuracy test: bf16 rounds the parameters (the reference runs on them), fp16 keeps them float32."""
     rows = []
     print("seed   kfuse b1b  torch b1b | kfuse w1   torch w1  | kfuse y    torch y   | flips 3.h")
     for seed in range(first, first + count):
         torch.manual_seed(seed)
-        ref = randomize(reference.ResNetEncoder(C, 64, (1, 1, 1, 1)), seed + 1).to(torch.bfloat16)
+        ref = randomize(reference.ResNetEncoder(C, 64, (1, 1, 1, 1)), seed + 1)
+        if dtype == torch.bfloat16:
+            ref = ref.to(torch.bfloat16)
         gen = torch.Generator().manual_seed(seed)
         x = torch.rand(N, C, H, W, generator=gen)
         dy = away_from_kinks(ref, x, torch.randn(N, 512, H // 32, W // 32, generator=gen) + 1.0)
         y64, g64, _ = reference_grads(ref, x, dy)
         enc = kfuse.ResNetEncoder.from_torch(ref).cuda().train()
-        yk, gk, _ = kfuse_grads(enc, x.cuda().to(torch.bfloat16), dy.cuda())
-        y16 = reference_grads(ref, x, dy, dtype=torch.bfloat16)[0]
-        mixed = torch_mixed_grads(ref, x, dy, torch.bfloat16, realizations=3)
+        yk, gk, _ = kfuse_grads(enc, x.cuda().to(ref.stem[1].weight.dtype), dy.cuda())
+        y16 = reference_grads(ref, x, dy, dtype=dtype)[0]
+        mixed = torch_mixed_grads(ref, x, dy, dtype, realizations=3)
         pre64, pre16 = {}, {}
         with torch.no_grad():
             forward(copy.deepcopy(ref).cuda().double(), x.cuda().double(), record=pre64)
-            forward(copy.deepcopy(ref).cuda().bfloat16(), x.cuda().bfloat16(), record=pre16)
+            forward(copy.deepcopy(ref).cuda().to(dtype), x.cuda().to(dtype), record=pre16)
         flips = int(((pre64["3.h"] > 0) != (pre16["3.h"] > 0)).sum())
         r = [rel_err(gk[WATCH[1]], g64[WATCH[1]]), max(rel_err(m[WATCH[1]], g64[WATCH[1]]) for m in mixed),
              rel_err(gk[WATCH[0]], g64[WATCH[0]]), max(rel_err(m[WATCH[0]], g64[WATCH[0]]) for m in mixed),
@@ -139,8 +142,8 @@ def sweep(first, count):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--sweep":
-        sweep(int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--sweep":
+        sweep(int(sys.argv[2]), int(sys.argv[3]), torch.float16 if sys.argv[4:] == ["fp16"] else torch.bfloat16)
         sys.exit(0)
     for s in [int(a) for a in sys.argv[1:]] or [2111, 2112, 2113, 2114, 2115]:
         run(s)
