@@ -3,10 +3,13 @@ of batch-128 inference on new uint8 observations, then the PPO update over two 2
 master weights, GradScaler and gradient clipping) for the kfuse encoder and for plain-PyTorch encoders in bps-nav's
 own configuration and under torch.compile, in one process:
 
-  kfuse           the policy with kfuse's encoder, eager around it
+  kfuse           the policy with kfuse's encoder; the rollout step replayed as one CUDA graph (kfuse.rl.GraphedActor),
+                  the update eager
   kfuse-compile   the policy with kfuse's encoder (its dispatcher ops), compiled as torch-compile's below
   torch-jit-fp16  bps-nav's configuration: the plain encoder, the compression conv and fc under torch.jit.script
                   (the LSTM is cuDNN's either way), fp16, NCHW, cudnn.benchmark
+  torch-graph     the plain-encoder policy run as kfuse's row (rollout step as one CUDA graph, update eager): what
+                  the graph alone gives
   torch-compile   the plain-encoder policy under torch.compile: mode="reduce-overhead" for the rollout, the default
                   mode for the update
 
@@ -23,11 +26,11 @@ from pathlib import Path
 import torch
 
 from .benchmark import save_results
-from .rl import Actor, PPOTrainer, Policy
+from .rl import Actor, GraphedActor, PPOTrainer, Policy
 
 RL_ENVS = 128
 RL_STEPS = 32
-IMPLS = ("kfuse", "kfuse-compile", "torch-jit-fp16", "torch-compile")
+IMPLS = ("kfuse", "kfuse-compile", "torch-jit-fp16", "torch-graph", "torch-compile")
 
 
 def _trainer(impl: str, device, num_envs: int, steps: int, seed: int, dtype=torch.float16) -> PPOTrainer:
@@ -42,6 +45,8 @@ def configure(trainer: PPOTrainer, impl: str) -> PPOTrainer:
     if impl == "torch-jit-fp16":
         for name in ("encoder", "compress", "fc"):  # (a scripted nn.LSTM is callable only from TorchScript)
             setattr(policy, name, torch.jit.script(getattr(policy, name)))
+    elif impl in ("kfuse", "torch-graph") and trainer.device.type == "cuda":
+        trainer.act = GraphedActor(Actor(policy))
     elif impl.endswith("-compile"):
         # Dynamo traces the rollout step's one-step LSTM into the graph only with its (experimental) RNN support;
         # without it every step breaks the graph in two around an eager LSTM. The update's packed LSTM stays eager.

@@ -21,7 +21,8 @@ from . import reference
 from .distributed import DistributedDataParallel
 from .encoder import ResNetEncoder
 
-__all__ = ["Policy", "SyntheticEnvs", "RolloutStorage", "PPOTrainer", "PPOConfig", "compute_gae", "masked_lstm", "Actor", "ppo_terms"]
+__all__ = ["Policy", "SyntheticEnvs", "RolloutStorage", "PPOTrainer", "PPOConfig", "compute_gae", "masked_lstm", "Actor",
+           "GraphedActor", "ppo_terms"]
 
 NUM_ACTIONS = 4
 HIDDEN = 512
@@ -84,15 +85,21 @@ class Policy(nn.Module):
         if self.kind == "kfuse" and not torch.compiler.is_compiling():
             # (Under torch.compile the statistics stay device tensors of the graph, normalized by the ops below: a
             # fold set from host copies would put them in the graph as constants, recompiled at every update.)
-            if getattr(self, "_norm_version", None) != self.obs_norm.version:
-                # folded into the stem's read on the GPU (exact); set again after each update of the statistics
-                self.encoder.set_input_normalization(mean.detach().cpu(), var.detach().cpu())
-                self._norm_version = self.obs_norm.version
+            self.sync_input_normalization()
             return self.encoder(frames)
         dtype = next(self.encoder.parameters()).dtype
         x = frames[..., : mean.numel()].permute(0, 3, 1, 2).to(dtype) / 255
         x = (x - mean.view(1, -1, 1, 1).to(dtype)) * torch.rsqrt(var.clamp_min(1e-2)).view(1, -1, 1, 1).to(dtype)
         return self.encoder(x)
+
+    def sync_input_normalization(self) -> None:
+        """kfuse's encoder: the running statistics folded into the stem's read of uint8 frames (exact), set again
+        after each update of the statistics. The stem reads the fold from device memory, so a CUDA graph captured
+        around the policy sees every later fold; the fold itself is host work that a replay does not repeat (and
+        that must not run during a capture), so a graph's owner calls this before each replay (GraphedActor)."""
+        if self.kind == "kfuse" and getattr(self, "_norm_version", None) != self.obs_norm.version:
+            self.encoder.set_input_normalization(self.obs_norm.mean.detach().cpu(), self.obs_norm.var.detach().cpu())
+            self._norm_version = self.obs_norm.version
 
     def forward(self, frames, goal, prev_action, hidden, masks, final_state: bool = True):
         """frames (T*N, H, W, 4) uint8, goal (T*N, 3), prev_action (T*N,) long, masks (T*N,) 0 at episode starts,
@@ -211,6 +218,65 @@ class Actor(nn.Module):
         action = (cdf < u.unsqueeze(1) * cdf[:, -1:]).sum(-1).clamp_max(logits.shape[1] - 1)
         logprob = logp.gather(1, action.unsqueeze(1)).squeeze(1)
         return action, logprob, value, hidden
+
+
+class GraphedActor:
+    """An Actor whose rollout step runs as one CUDA graph (what torch.compile's reduce-overhead mode does, without the
+    compiler): a step of ~60 small kernels costs the host one replay instead of ~60 launches, and the batch-128 step
+    is bound by its launches, not by the GPU. Called like the Actor: `warmup` eager calls (on a side stream, as CUDA
+    graph capture wants: cuDNN and cuBLAS set up their workspaces there), then the capture on the next call's input
+    shapes; each later call with those shapes copies its inputs into the graph's buffers, replays, and returns copies
+    of the outputs (the next replay rewrites the graph's). Other shapes run eagerly.
+
+    What the graph reads at replay: the parameters' storage (writes through `.data.copy_`, in-place optimizers and
+    `load_state_dict` are seen; kfuse's encoder checks its parameters on the device at every replay) and the inputs'
+    copies. Replacing a parameter tensor (`module.weight = ...`, `.to()` to another device) leaves the graph reading
+    the old storage: call `reset()` after such a change. The observation statistics' fold into kfuse's stem is
+    host work, done before every call (Policy.sync_input_normalization)."""
+
+    def __init__(self, actor: Actor, warmup: int = 3):
+        if warmup < 1:
+            raise ValueError(f"GraphedActor needs at least one eager warm-up call before the capture, got {warmup}")
+        self.actor, self.warmup = actor, warmup
+        self.reset()
+
+    def reset(self) -> None:
+        """Drops the graph: the next calls warm up and capture again (after parameters were replaced)."""
+        self.graph, self.static_in, self.static_out, self.shapes, self.calls = None, None, None, None, 0
+
+    @staticmethod
+    def _flat(args) -> list:
+        frames, goal, prev_action, (h, c), mask, u = args
+        return [frames, goal, prev_action, h, c, mask, u]
+
+    def __call__(self, frames, goal, prev_action, hidden, mask, u):
+        args = (frames, goal, prev_action, hidden, mask, u)
+        self.actor.policy.sync_input_normalization()
+        flat = self._flat(args)
+        shapes = [(t.shape, t.dtype, t.device) for t in flat]
+        if self.graph is None and self.calls >= self.warmup:
+            self._capture(flat, shapes)
+        if self.graph is None or shapes != self.shapes:
+            self.calls += 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.actor(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        for buf, t in zip(self.static_in, flat):
+            buf.copy_(t)
+        self.graph.replay()
+        action, logprob, value, (h, c) = self.static_out
+        return action.clone(), logprob.clone(), value.clone(), (h.clone(), c.clone())
+
+    def _capture(self, flat, shapes) -> None:
+        static_in = [t.clone() for t in flat]
+        frames, goal, prev_action, h, c, mask, u = static_in
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.actor(frames, goal, prev_action, (h, c), mask, u)
+        self.graph, self.static_in, self.static_out, self.shapes = graph, static_in, out, shapes
 
 
 def ppo_terms(logits, actions, old_logprobs):

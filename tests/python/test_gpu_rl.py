@@ -9,8 +9,10 @@ weights after the run, with a floor of 1e-3 relative for losses (two fp16 roundi
 1e-3 for the weights (the Adam steps of a few iterations, each ~lr = 5e-4 per element, rounded to fp16)."""
 
 import pytest
+import torch
 
 import kfuse
+from kfuse import rl
 from kfuse.bench_rl import agreement
 
 pytestmark = pytest.mark.skipif(not kfuse.cuda_available(), reason="needs a CUDA GPU and a CUDA build of kfuse")
@@ -29,3 +31,70 @@ def test_kfuse_and_plain_pytorch_encoders_train_alike_in_fp16():
     assert err_w <= max(3 * noise_w, 1e-3), f"weights off by {err_w:.2e} (plain-PyTorch noise {noise_w:.2e})"
     # The comparison means something only where the updates moved the weights by more than the discrepancy allowed.
     assert a["weight_moved"] >= 3 * max(err_w, noise_w), f"the updates moved the weights by {a['weight_moved']:.2e} only"
+
+
+
+def _rollout_inputs(n: int, gen: torch.Generator):
+    frames = torch.randint(0, 256, (n, 64, 64, 4), generator=gen, device="cuda", dtype=torch.uint8)
+    goal = torch.rand(n, 3, generator=gen, device="cuda") * 2 - 1
+    prev_action = torch.randint(0, rl.NUM_ACTIONS + 1, (n,), generator=gen, device="cuda")
+    h = (torch.randn(2, n, rl.HIDDEN, generator=gen, device="cuda") * 0.5).half()
+    c = (torch.randn(2, n, rl.HIDDEN, generator=gen, device="cuda") * 0.5).half()
+    mask = (torch.rand(n, generator=gen, device="cuda") > 0.1).float()
+    u = torch.rand(n, generator=gen, device="cuda")
+    return frames, goal, prev_action, (h, c), mask, u
+
+
+def _flat(out):
+    """(actions, every other output as one float vector)"""
+    action, logprob, value, (h, c) = out
+    return action, torch.cat([logprob.float(), value.float(), h.float().flatten(), c.float().flatten()])
+
+
+STEP_TOL = 2e-3  # normwise: the same kernels, a few fp16 roundings (2^-11 each) where cuBLAS picks another split
+
+
+@pytest.mark.parametrize("encoder", ["kfuse", "torch"])
+def test_graphed_actor_follows_every_weight_and_statistics_change(encoder):
+    """The benchmark's graphed rollout step (kfuse.rl.GraphedActor) against the eager Actor on fresh inputs: through
+    warm-up and capture, after every parameter was written through .data.copy_ (the trainer's write-back, no version
+    bump) and after the observation statistics moved (folded into kfuse's stem on the host before each call). Each
+    change is checked to move the eager outputs by far more than STEP_TOL, so a replay that kept old weights or old
+    statistics fails. Actions: drawn by inverting the CDF at the same u, equal but where a rounding moves the CDF
+    across u (at most 2 of 128)."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    policy = rl.Policy(encoder=encoder, seed=5).cuda().half().eval()
+    eager, graphed = rl.Actor(policy), rl.GraphedActor(rl.Actor(policy), warmup=2)
+
+    def compare(label, args):
+        a_want, want = _flat(eager(*args))
+        a_got, got = _flat(graphed(*args))
+        err = ((got - want).norm() / want.norm()).item()
+        assert err <= STEP_TOL, f"{label}: the graphed step is off by {err:.2e}"
+        assert (a_got != a_want).sum().item() <= 2, f"{label}: actions differ"
+        return want
+
+    def moved(args, before, what):
+        after = _flat(eager(*args))[1]
+        change = ((after - before).norm() / before.norm()).item()
+        assert change > 10 * STEP_TOL, f"{what} moved the outputs by {change:.2e} only: the check would not see it"
+
+    with torch.no_grad():
+        for i in range(3):  # two eager warm-up calls, then the capture
+            compare(f"call {i}", _rollout_inputs(128, gen))
+        assert graphed.graph is not None, "no graph after the warm-up calls"
+        args = _rollout_inputs(128, gen)
+        before = compare("replay", args)
+        for p in policy.parameters():
+            p.data.copy_(p.float() * (1 + 0.2 * torch.randn(p.shape, generator=gen, device="cuda")))
+        moved(args, before, "the write")
+        before = compare("after .data.copy_ of every parameter", args)
+        dark = torch.randint(0, 64, (64, 64, 64, 4), generator=gen, device="cuda", dtype=torch.uint8)
+        for _ in range(20):
+            policy.obs_norm.update(dark)
+        moved(args, before, "the statistics' update")
+        compare("after the observation statistics moved", args)
+        # Another shape runs eagerly, and the graph stays for the captured one.
+        small = _rollout_inputs(8, gen)
+        torch.testing.assert_close(_flat(graphed(*small))[1], _flat(eager(*small))[1], rtol=0, atol=0)
+        compare("a replay after an eager call of another shape", _rollout_inputs(128, gen))
