@@ -49,7 +49,8 @@ class EncoderGpu {
   // set_weights or set_weights_device. One of them must precede forward().
   void set_weights(const EncoderParams<float>& params);
   // A per-channel affine map applied to the input as the stem reads it: v = x * scale[c] + shift[c]. This is how
-  // uint8 renderer input is scaled by 1/255 and normalized exactly. Empty vectors restore the identity.
+  // uint8 renderer input is scaled by 1/255 and normalized exactly. Empty vectors restore the identity. Synchronous;
+  // graphs captured before (kfuse's, or a caller's around forward()) read the new values.
   void set_input_affine(const std::vector<float>& scale, const std::vector<float>& shift);
 
   // y = encoder(x), asynchronous on `stream`. x: (N, C, H, W) with any strides, F32/F16/BF16/U8; y: contiguous NCHW

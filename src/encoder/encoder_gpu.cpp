@@ -213,9 +213,14 @@ void EncoderGpu::set_input_affine(const std::vector<float>& scale, const std::ve
   Impl::Device scope(m.device);
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // forwards in flight read the old map
   check_cuda(cudaMemcpy(m.input_affine, v.data(), 2 * c * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
-  m.use_affine = !scale.empty();
-  // use_affine is baked into captured graphs (a null scale pointer skips the math): recapture.
-  m.clear_graphs();
+  // Captured graphs read the map from device memory, so new values need nothing more (a training loop sets them
+  // after every update of its observation statistics: recapturing there cost every step its graphs). Whether there
+  // is a map at all is baked in (a null scale pointer skips the math): switching it recaptures.
+  const bool use = !scale.empty();
+  if (use != m.use_affine) {
+    m.use_affine = use;
+    m.clear_graphs();
+  }
 }
 
 void EncoderGpu::forward(const DeviceTensorView& x, const DeviceTensorView& y, cudaStream_t stream) {

@@ -69,6 +69,57 @@ def test_input_layouts_and_dtypes(make_reference, layout):
             assert rel_err(y, cpu(img)) <= TOL
 
 
+def test_new_normalization_values_keep_the_captured_graphs_and_reach_them(make_reference):
+    """A training loop updates its observation statistics every iteration: new values of the uint8 input's
+    normalization must reach the captured graphs (inference and training) without recapturing them (a recapture
+    per iteration left every training step eager). Switching between uint8 and float input recaptures (the graphs
+    bake whether there is a map: a float input has none). Outputs against float64 with the values in force (TOL)."""
+    ref = make_reference(in_channels=3, seed=13)
+    enc = kfuse.ResNetEncoder.from_torch(ref).cuda().half()
+    gen = torch.Generator().manual_seed(13)
+    img = torch.randint(0, 256, (6, 64, 64, 4), generator=gen, dtype=torch.uint8)
+    x = img.cuda()
+
+    def want(norm):
+        v = img[..., :3].permute(0, 3, 1, 2).double() / 255
+        if norm is not None:
+            mean, var = norm
+            v = (v - mean.double().view(1, 3, 1, 1)) * torch.rsqrt(var.double().clamp_min(1e-2)).view(1, 3, 1, 1)
+        return reference64(ref, v)
+
+    def run(norm, label):
+        enc.set_input_normalization(*(norm if norm is not None else (None, None)))
+        enc.eval()
+        with torch.no_grad():
+            y = enc(x)
+        enc.train()
+        y_train = enc(x)
+        y_train.backward(torch.ones_like(y_train))
+        torch.cuda.synchronize()
+        assert rel_err(y, want(norm)) <= TOL, f"{label}: inference"
+        assert rel_err(y_train.detach(), want(norm)) <= TOL, f"{label}: training forward"
+
+    first = (torch.tensor([0.4, 0.5, 0.6]), torch.tensor([0.05, 0.02, 0.2]))
+    for _ in range(3):  # eager, captured, replayed: inference, training forward and backward
+        run(first, "first values")
+    (engine, *_), = enc.__dict__["_gpu_engines"].values()
+    held = engine.graph_count
+    assert held >= 3, "the inference forward and the training step were not captured"
+    for i, norm in enumerate([(torch.tensor([0.1, 0.9, 0.3]), torch.tensor([0.3, 0.01, 0.08])),
+                              (torch.tensor([0.6, 0.2, 0.5]), torch.tensor([0.002, 0.5, 0.1]))]):
+        run(norm, f"new values {i}")
+        assert engine.graph_count == held, f"new values {i}: the graphs were recaptured"
+    run(None, "normalization off")  # plain x / 255: still a map, so the graphs stay
+    assert engine.graph_count == held, "normalization off: the graphs were recaptured"
+    # A float input has no map (the graphs bake that): switching to it and back recaptures, each reading its own.
+    xf = img[..., :3].permute(0, 3, 1, 2).double() / 255
+    enc.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            assert rel_err(enc(xf.cuda().half()), reference64(ref, xf)) <= TOL, "float input after uint8"
+    run(first, "uint8 again")
+
+
 def test_float32_module_runs_in_fp16_with_float32_output(make_reference):
     ref = make_reference(in_channels=3, seed=9)
     enc = kfuse.ResNetEncoder.from_torch(ref).cuda()
