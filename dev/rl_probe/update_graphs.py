@@ -34,6 +34,6 @@ for i in range(iterations):
     n_inst = sum(e.count for e in inst)
     t_inst = sum(e.self_cpu_time_total for e in inst) / 1e3
     t_bwd = sum(e.self_cpu_time_total for e in bwd) / 1e3
-    enc = trainer.policy.encoder
-    held = getattr(getattr(enc, "_gpu", None), "graph_count", "?")
+    engines = trainer.policy.encoder.__dict__.get("_gpu_engines", {})
+    held = sum(entry[0].graph_count for entry in engines.values())
     print(f"  {i}: {wall:7.1f} {busy_us(prof) / 1e3:6.1f}  {n_inst} ({t_inst:5.1f})  {t_bwd:5.1f}  {held}", flush=True)

@@ -261,7 +261,10 @@ class ResNetEncoder(reference.ResNetEncoder):
 
     def set_input_normalization(self, mean=None, var=None) -> None:
         """Normalization of uint8 renderer input (N, H, W, C or C+1): v = (x / 255 - mean) * rsqrt(max(var, 1e-2))
-        per channel, folded into the stem's input read on the GPU (exact). None restores plain x / 255."""
+        per channel, folded into the stem's input read on the GPU (exact). None restores plain x / 255. Takes effect
+        at once, also in CUDA graphs captured around the module before (the map is read from device memory when a
+        graph replays): where a CUDA engine reads uint8 input, the new map is written to it now (synchronous; not
+        during a capture)."""
         if (mean is None) != (var is None):
             raise ValueError("give both mean and var, or neither")
         if mean is not None:
@@ -270,6 +273,12 @@ class ResNetEncoder(reference.ResNetEncoder):
             if mean.numel() != self.in_channels or var.numel() != self.in_channels:
                 raise ValueError(f"mean and var need {self.in_channels} values each, got {mean.numel()} and {var.numel()}")
         self._input_norm = None if mean is None else (mean, var)
+        # Engines that run uint8 input get the new map now, not at their next call through this module: a replay of
+        # a graph captured around the module runs no Python and would read the old one.
+        for entry in self.__dict__.get("_gpu_engines", {}).values():
+            if entry[2] != _NO_AFFINE and entry[2] != self._uint8_affine():
+                entry[0].set_input_affine(*self._uint8_affine())
+                entry[2] = self._uint8_affine()
 
     def _uint8_affine(self) -> tuple[list[float], list[float]]:
         # Every uint8 call reads it: computed once per normalization (five small tensor ops, ~20 us of host time),

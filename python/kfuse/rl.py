@@ -226,7 +226,8 @@ class GraphedActor:
     is bound by its launches, not by the GPU. Called like the Actor: `warmup` eager calls (on a side stream, as CUDA
     graph capture wants: cuDNN and cuBLAS set up their workspaces there), then the capture on the next call's input
     shapes; each later call with those shapes copies its inputs into the graph's buffers, replays, and returns copies
-    of the outputs (the next replay rewrites the graph's). Other shapes run eagerly.
+    of the outputs (the next replay rewrites the graph's). Other shapes, and the policy in the other mode (train /
+    eval) than at the capture, run eagerly. Without gradients only (the rollout's torch.no_grad()).
 
     What the graph reads at replay: the parameters' storage (writes through `.data.copy_`, in-place optimizers and
     `load_state_dict` are seen; kfuse's encoder checks its parameters on the device at every replay) and the inputs'
@@ -242,7 +243,7 @@ class GraphedActor:
 
     def reset(self) -> None:
         """Drops the graph: the next calls warm up and capture again (after parameters were replaced)."""
-        self.graph, self.static_in, self.static_out, self.shapes, self.calls = None, None, None, None, 0
+        self.graph, self.static_in, self.static_out, self.key, self.calls = None, None, None, None, 0
 
     @staticmethod
     def _flat(args) -> list:
@@ -250,19 +251,24 @@ class GraphedActor:
         return [frames, goal, prev_action, h, c, mask, u]
 
     def __call__(self, frames, goal, prev_action, hidden, mask, u):
+        if torch.is_grad_enabled():
+            raise RuntimeError("GraphedActor replays the rollout step without gradients: call it under torch.no_grad()")
         args = (frames, goal, prev_action, hidden, mask, u)
         self.actor.policy.sync_input_normalization()
         flat = self._flat(args)
-        shapes = [(t.shape, t.dtype, t.device) for t in flat]
+        key = [(t.shape, t.dtype, t.device) for t in flat] + [self.actor.policy.training]
         if self.graph is None and self.calls >= self.warmup:
-            self._capture(flat, shapes)
-        if self.graph is None or shapes != self.shapes:
+            self._capture(flat, key)
+        if self.graph is None or key != self.key:
             self.calls += 1
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+            side.wait_stream(main)
             with torch.cuda.stream(side):
                 out = self.actor(*args)
-            torch.cuda.current_stream().wait_stream(side)
+            main.wait_stream(side)
+            action, logprob, value, (h, c) = out
+            for t in (action, logprob, value, h, c):  # made on the side stream, used on the caller's
+                t.record_stream(main)
             return out
         for buf, t in zip(self.static_in, flat):
             buf.copy_(t)
@@ -270,13 +276,13 @@ class GraphedActor:
         action, logprob, value, (h, c) = self.static_out
         return action.clone(), logprob.clone(), value.clone(), (h.clone(), c.clone())
 
-    def _capture(self, flat, shapes) -> None:
+    def _capture(self, flat, key) -> None:
         static_in = [t.clone() for t in flat]
         frames, goal, prev_action, h, c, mask, u = static_in
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self.actor(frames, goal, prev_action, (h, c), mask, u)
-        self.graph, self.static_in, self.static_out, self.shapes = graph, static_in, out, shapes
+        self.graph, self.static_in, self.static_out, self.key = graph, static_in, out, key
 
 
 def ppo_terms(logits, actions, old_logprobs):

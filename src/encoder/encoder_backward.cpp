@@ -257,7 +257,7 @@ void provide_backward_memory(EncoderGpu::Impl& m, TrainingState& t, const Backwa
   ensure_scratch(t, std::max<size_t>(plan.scratch, 256), plan.se_ws_total);
   const std::vector<GradJob>& jobs = plan.jobs;
   if (jobs.size() > t.grad_job_capacity) {
-    cudaFree(t.d_grad_jobs);
+    if (t.d_grad_jobs) t.retired_memory.push_back(t.d_grad_jobs);  // a caller's graph may still read it
     t.d_grad_jobs = nullptr;
     check_cuda(cudaMalloc(&t.d_grad_jobs, jobs.size() * sizeof(GradJob)), "cudaMalloc (gradient jobs)");
     t.grad_job_capacity = jobs.size();

@@ -110,6 +110,7 @@ EncoderGpu::~EncoderGpu() {
   cudaFree(m.d_pack_jobs);
   cudaFree(m.input_affine);
   cudaFree(m.conv_workspace);
+  for (void* p : m.retired_memory) cudaFree(p);
   for (auto& [k, f] : m.prepared) cudaFree(f.data);
   for (cudaEvent_t e : m.fork_events) cudaEventDestroy(e);
   for (cudaEvent_t e : m.join_events) cudaEventDestroy(e);

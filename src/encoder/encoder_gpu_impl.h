@@ -156,6 +156,10 @@ struct EncoderGpu::Impl {
   // semaphores must not be shared by kernels that may run at the same time).
   void* conv_workspace = nullptr;
   size_t conv_workspace_bytes = 0;  // per half
+  // Device memory replaced by a larger allocation (the conv workspace, the pack job table): a CUDA graph that kfuse's
+  // caller captured around a forward still holds its address (kfuse recaptures only its own graphs), so it stays
+  // allocated until the encoder is destroyed. Growth is rare (a larger geometry's first call).
+  std::vector<void*> retired_memory;
   // The shortcut convolution of a downsampling block runs on a side branch, concurrently with conv1 and conv2: the
   // late layers fill only 64-128 of the SMs each, so two of them share the machine. Fork/join through events, which
   // stream capture turns into parallel graph branches.
@@ -307,7 +311,7 @@ struct EncoderGpu::Impl {
   // Makes each half of the conv workspace at least `need` bytes.
   void grow_conv_workspace(size_t need) {
     if (need <= conv_workspace_bytes) return;
-    if (conv_workspace) cudaFree(conv_workspace);
+    if (conv_workspace) retired_memory.push_back(conv_workspace);  // a caller's graph may still use it
     conv_workspace = nullptr;
     conv_workspace_bytes = 0;
     check_cuda(cudaMalloc(&conv_workspace, 2 * need), "cudaMalloc (conv workspace)");

@@ -106,7 +106,8 @@ void ensure_scratch(TrainingState& t, size_t bytes, size_t se_bytes) {
   if (bytes <= t.scratch_bytes && se_bytes <= t.se_scratch_bytes) return;
   bytes = std::max(bytes, t.scratch_bytes);
   se_bytes = std::max(se_bytes, t.se_scratch_bytes);
-  cudaFree(t.scratch);  // synchronizes with the device: nothing in flight still uses the old area
+  // Retired, not freed: a training step that kfuse's caller captured in a CUDA graph still holds its address.
+  if (t.scratch) t.retired_memory.push_back(t.scratch);
   t.scratch = nullptr;
   t.scratch_bytes = t.se_scratch_bytes = 0;
   check_cuda(cudaMalloc(&t.scratch, 2 * bytes + se_bytes), "cudaMalloc (training scratch)");
@@ -395,7 +396,7 @@ void EncoderGpu::set_weights_device(const std::vector<const void*>& params, DTyp
     // The table changes only when a parameter moved (new storage or dtype): upload it synchronously (rare).
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // packs in flight read the old table
     if (m.d_pack_jobs == nullptr || jobs.size() > m.pack_jobs.size()) {
-      cudaFree(m.d_pack_jobs);
+      if (m.d_pack_jobs) m.retired_memory.push_back(m.d_pack_jobs);  // a caller's graph may still read it
       m.d_pack_jobs = nullptr;
       check_cuda(cudaMalloc(&m.d_pack_jobs, jobs.size() * sizeof(PackJob)), "cudaMalloc (pack jobs)");
     }

@@ -77,10 +77,14 @@ struct TrainingState {
   // host time (H100 machine), paid once per stage by the staged backward, and under DDP the host fell behind.
   std::shared_ptr<BackwardPlanCache> backward_plans;
 
+  // The scratch and job tables replaced by larger ones (EncoderGpu::Impl::retired_memory says why they are kept).
+  std::vector<void*> retired_memory;
+
   ~TrainingState() {
     for (auto& [g, b] : buffers) cudaFree(b.base);
     cudaFree(d_grad_jobs);
     cudaFree(scratch);
+    for (void* p : retired_memory) cudaFree(p);
     for (cudaEvent_t e : wgrad_fork) cudaEventDestroy(e);
     if (wgrad_join) cudaEventDestroy(wgrad_join);
   }

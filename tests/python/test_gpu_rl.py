@@ -60,22 +60,23 @@ def test_graphed_actor_follows_every_weight_and_statistics_change(encoder):
     warm-up and capture, after every parameter was written through .data.copy_ (the trainer's write-back, no version
     bump) and after the observation statistics moved (folded into kfuse's stem on the host before each call). Each
     change is checked to move the eager outputs by far more than STEP_TOL, so a replay that kept old weights or old
-    statistics fails. Actions: drawn by inverting the CDF at the same u, equal but where a rounding moves the CDF
+    statistics fails (the graphed step runs before the eager one, which would bring the encoder's device state up to
+    date for it). Actions: drawn by inverting the CDF at the same u, equal but where a rounding moves the CDF
     across u (at most 2 of 128)."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     policy = rl.Policy(encoder=encoder, seed=5).cuda().half().eval()
     eager, graphed = rl.Actor(policy), rl.GraphedActor(rl.Actor(policy), warmup=2)
 
     def compare(label, args):
-        a_want, want = _flat(eager(*args))
+        # The graphed step first: an eager call of the same encoder would bring the device's state up to date for it.
         a_got, got = _flat(graphed(*args))
+        a_want, want = _flat(eager(*args))
         err = ((got - want).norm() / want.norm()).item()
         assert err <= STEP_TOL, f"{label}: the graphed step is off by {err:.2e}"
         assert (a_got != a_want).sum().item() <= 2, f"{label}: actions differ"
         return want
 
-    def moved(args, before, what):
-        after = _flat(eager(*args))[1]
+    def moved(after, before, what):
         change = ((after - before).norm() / before.norm()).item()
         assert change > 10 * STEP_TOL, f"{what} moved the outputs by {change:.2e} only: the check would not see it"
 
@@ -87,13 +88,12 @@ def test_graphed_actor_follows_every_weight_and_statistics_change(encoder):
         before = compare("replay", args)
         for p in policy.parameters():
             p.data.copy_(p.float() * (1 + 0.2 * torch.randn(p.shape, generator=gen, device="cuda")))
-        moved(args, before, "the write")
-        before = compare("after .data.copy_ of every parameter", args)
+        after = compare("after .data.copy_ of every parameter", args)
+        moved(after, before, "the write")
         dark = torch.randint(0, 64, (64, 64, 64, 4), generator=gen, device="cuda", dtype=torch.uint8)
         for _ in range(20):
             policy.obs_norm.update(dark)
-        moved(args, before, "the statistics' update")
-        compare("after the observation statistics moved", args)
+        moved(compare("after the observation statistics moved", args), after, "the statistics' update")
         # Another shape runs eagerly, and the graph stays for the captured one.
         small = _rollout_inputs(8, gen)
         torch.testing.assert_close(_flat(graphed(*small))[1], _flat(eager(*small))[1], rtol=0, atol=0)

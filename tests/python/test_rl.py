@@ -215,3 +215,17 @@ def test_data_parallel_frames_per_second_count_an_iteration_once():
     # One slow iteration on one rank is one slow iteration, not a slow median.
     ranks[1]["iterations_ms"] = [100.0, 250.0, 100.0]
     assert bench_rl.combine_ranks(ranks)["iteration_ms"] == 100.0
+
+
+def test_graphed_actor_refuses_gradients_and_a_capture_without_warm_up():
+    """GraphedActor's rollout step has no autograd graph: a call with gradients enabled is refused by name (before any
+    CUDA work), as is a capture with no eager warm-up call before it."""
+    policy = rl.Policy(encoder="torch", seed=0)
+    actor = rl.GraphedActor(rl.Actor(policy))
+    hidden = policy.initial_hidden(2)
+    args = (torch.zeros(2, 64, 64, 4, dtype=torch.uint8), torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), hidden,
+            torch.ones(2), torch.rand(2))
+    with pytest.raises(RuntimeError, match="torch.no_grad"):
+        actor(*args)
+    with pytest.raises(ValueError, match="warm-up"):
+        rl.GraphedActor(rl.Actor(policy), warmup=0)
