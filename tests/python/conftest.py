@@ -53,6 +53,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def captured_by_caller(module, x, warmup: int = 3):
+    """module(x) captured in a CUDA graph of the caller's (as torch.compile's reduce-overhead mode does), after eager
+    warm-up calls on a side stream, without gradients: (graph, its output tensor)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(warmup):
+            module(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = module(x)
+    return graph, y
+
+
 @pytest.fixture
 def make_reference():
     def make(in_channels=3, base_planes=64, layers=(1, 1, 1, 1), seed=0, dtype=torch.float32):

@@ -5,26 +5,12 @@ the addresses it was captured with and runs no Python at replay (skipped without
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import captured_by_caller, rel_err
 from test_gpu_inference import TOL, reference64
 
 import kfuse
 
 pytestmark = pytest.mark.skipif(not kfuse.cuda_available(), reason="needs a CUDA GPU and a CUDA build of kfuse")
-
-
-def _captured(enc, x):
-    """enc(x) captured in the caller's graph after eager warm-up calls on a side stream; (graph, its output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(side):
-        for _ in range(3):
-            enc(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        y = enc(x)
-    return graph, y
 
 
 def _normalized(img: torch.Tensor, norm) -> torch.Tensor:
@@ -42,7 +28,7 @@ def test_a_new_input_normalization_reaches_the_callers_graph(make_reference):
     first = (torch.tensor([0.4, 0.5, 0.6]), torch.tensor([0.05, 0.02, 0.2]))
     second = (torch.tensor([0.1, 0.8, 0.3]), torch.tensor([0.3, 0.01, 0.08]))
     enc.set_input_normalization(*first)
-    graph, y = _captured(enc, img.cuda())
+    graph, y = captured_by_caller(enc, img.cuda())
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(y, reference64(ref, _normalized(img, first))) <= TOL, "before the change"
@@ -63,7 +49,7 @@ def test_the_callers_graph_survives_larger_geometries_and_training(make_referenc
     enc = kfuse.ResNetEncoder.from_torch(ref).cuda().half().eval()
     gen = torch.Generator().manual_seed(52)
     x = torch.rand(8, 3, 64, 64, generator=gen)
-    graph, y = _captured(enc, x.cuda().half())
+    graph, y = captured_by_caller(enc, x.cuda().half())
     for n, h, w in ((128, 64, 64), (1024, 64, 64), (64, 96, 128)):
         xb = torch.rand(n, 3, h, w, device="cuda", dtype=torch.float16)
         with torch.no_grad():

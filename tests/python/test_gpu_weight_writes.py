@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import captured_by_caller, rel_err
 
 import kfuse
 from kfuse import reference
@@ -376,15 +376,7 @@ def test_encoder_in_a_callers_cuda_graph_follows_writes(make_reference):
     x = torch.rand(4, 3, 64, 64, generator=gen)
     x_big = torch.rand(64, 3, 64, 64, generator=gen)
     xd, xd_big = x.cuda().half(), x_big.cuda().half()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(side):
-        for _ in range(3):
-            enc(xd)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        y = enc(xd)
+    graph, y = captured_by_caller(enc, xd)
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(y, reference64(ref, x)) <= ENC_TOL, "replay before the write"
