@@ -10,6 +10,8 @@ own configuration and under torch.compile, in one process:
                   (the LSTM is cuDNN's either way), fp16, NCHW, cudnn.benchmark
   torch-graph     the plain-encoder policy run as kfuse's row (rollout step as one CUDA graph, update eager): what
                   the graph alone gives
+  kfuse-graphs    kfuse's row with the update as one CUDA graph too (kfuse.rl.GraphedUpdate: its LSTM stepped)
+  torch-graphs    the plain-encoder policy run as kfuse-graphs
   torch-compile   the plain-encoder policy under torch.compile: mode="reduce-overhead" for the rollout, the default
                   mode for the update
 
@@ -26,11 +28,11 @@ from pathlib import Path
 import torch
 
 from .benchmark import save_results
-from .rl import Actor, GraphedActor, PPOTrainer, Policy
+from .rl import Actor, GraphedActor, GraphedUpdate, PPOTrainer, Policy
 
 RL_ENVS = 128
 RL_STEPS = 32
-IMPLS = ("kfuse", "kfuse-compile", "torch-jit-fp16", "torch-graph", "torch-compile")
+IMPLS = ("kfuse", "kfuse-compile", "torch-jit-fp16", "torch-graph", "kfuse-graphs", "torch-graphs", "torch-compile")
 
 
 def _trainer(impl: str, device, num_envs: int, steps: int, seed: int, dtype=torch.float16) -> PPOTrainer:
@@ -45,8 +47,10 @@ def configure(trainer: PPOTrainer, impl: str) -> PPOTrainer:
     if impl == "torch-jit-fp16":
         for name in ("encoder", "compress", "fc"):  # (a scripted nn.LSTM is callable only from TorchScript)
             setattr(policy, name, torch.jit.script(getattr(policy, name)))
-    elif impl in ("kfuse", "torch-graph") and trainer.device.type == "cuda":
+    elif impl in ("kfuse", "torch-graph", "kfuse-graphs", "torch-graphs") and trainer.device.type == "cuda":
         trainer.act = GraphedActor(Actor(policy))
+        if impl.endswith("-graphs"):  # (refused under DistributedDataParallel: that row reports the error)
+            GraphedUpdate(trainer)
     elif impl.endswith("-compile"):
         # Dynamo traces the rollout step's one-step LSTM into the graph only with its (experimental) RNN support;
         # without it every step breaks the graph in two around an eager LSTM. The update's packed LSTM stays eager.

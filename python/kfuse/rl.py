@@ -22,10 +22,11 @@ from .distributed import DistributedDataParallel
 from .encoder import ResNetEncoder
 
 __all__ = ["Policy", "SyntheticEnvs", "RolloutStorage", "PPOTrainer", "PPOConfig", "compute_gae", "masked_lstm", "Actor",
-           "GraphedActor", "ppo_terms"]
+           "GraphedActor", "GraphedUpdate", "ppo_terms", "UPDATE_STATS"]
 
 NUM_ACTIONS = 4
 HIDDEN = 512
+UPDATE_STATS = ("loss", "surrogate", "value_loss", "entropy")
 
 
 class ObservationNorm(nn.Module):
@@ -78,6 +79,9 @@ class Policy(nn.Module):
         self.rnn = nn.LSTM(512 + 64, HIDDEN, num_layers=2)
         self.actor = nn.Linear(HIDDEN, NUM_ACTIONS)
         self.critic = nn.Linear(HIDDEN, 1)
+        # Several steps' LSTM as one call per step instead of over packed episode pieces (masked_lstm): no host work
+        # on the masks, what a CUDA graph of the update needs (GraphedUpdate sets it).
+        self.stepped_lstm = False
 
     def _frames(self, frames: torch.Tensor) -> torch.Tensor:
         """uint8 RGBA (N, H, W, 4) -> the encoder's output, normalized by the running statistics."""
@@ -95,7 +99,7 @@ class Policy(nn.Module):
     def sync_input_normalization(self) -> None:
         """kfuse's encoder: the running statistics folded into the stem's read of uint8 frames (exact), set again
         after each update of the statistics. The stem reads the fold from device memory, so a CUDA graph captured
-        around the policy sees every later fold; the fold itself is host work that a replay does not repeat (and
+        around the policy sees every later fold; noticing the update is host work that a replay does not repeat (and
         that must not run during a capture), so a graph's owner calls this before each replay (GraphedActor)."""
         if self.kind == "kfuse" and getattr(self, "_norm_version", None) != self.obs_norm.version:
             self.encoder.set_input_normalization(self.obs_norm.mean.detach().cpu(), self.obs_norm.var.detach().cpu())
@@ -110,7 +114,7 @@ class Policy(nn.Module):
         f = self.fc(self.compress(self._frames(frames)))
         dtype = f.dtype
         z = torch.cat([f, self.goal(goal.to(dtype)), self.prev_action(prev_action)], 1)
-        o, hidden = masked_lstm(self.rnn, z, hidden, masks, n, final_state)
+        o, hidden = masked_lstm(self.rnn, z, hidden, masks, n, final_state, stepped=self.stepped_lstm)
         return self.actor(o).float(), self.critic(o).float().squeeze(1), hidden
 
     def initial_hidden(self, n: int, device=None, dtype=None):
@@ -119,7 +123,8 @@ class Policy(nn.Module):
         return z, z.clone()
 
 
-def masked_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: int, final_state: bool = True):
+def masked_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: int, final_state: bool = True,
+                stepped: bool = False):
     """The LSTM over T steps of n environments (z: (T*n, F), time-major) whose state is reset where masks is 0.
     One step (the rollout's): the state times the mask, then the LSTM. Several (the update's): in one call, each
     episode piece (an environment's steps from a reset, or from the rollout's start, to the next reset) its own
@@ -127,8 +132,15 @@ def masked_lstm(rnn: nn.LSTM, z: torch.Tensor, hidden, masks: torch.Tensor, n: i
     to stepping the LSTM T times, one cuDNN call instead of T, forward and backward. Returns the outputs (T*n, H)
     and the state after the last step; with final_state=False (several steps) the state is None and the pieces run
     padded to the longest instead of packed: a piece's padding steps come after its outputs, so the outputs and
-    every gradient are the same, and the call avoids cuDNN's variable-length path."""
+    every gradient are the same, and the call avoids cuDNN's variable-length path. stepped: several steps as one
+    call per step (the definition itself), with no host work on the masks (what a CUDA graph can hold)."""
     h0, c0 = hidden
+    if stepped and z.shape[0] > n:
+        outs, state = [], hidden
+        for t in range(z.shape[0] // n):
+            o, state = masked_lstm(rnn, z[t * n:(t + 1) * n], state, masks[t * n:(t + 1) * n], n)
+            outs.append(o)
+        return torch.cat(outs, 0), (state if final_state else None)
     if z.shape[0] == n:
         m = masks.to(z.dtype).view(1, n, 1)
         o, (h, c) = rnn(z.unsqueeze(0), (h0 * m, c0 * m))
@@ -285,6 +297,53 @@ class GraphedActor:
         self.graph, self.static_in, self.static_out, self.key = graph, static_in, out, key
 
 
+class GraphedUpdate:
+    """A PPOTrainer's update replayed as one CUDA graph: both minibatches' forward and backward, the gradients'
+    unscaling and clipping, the fused Adam step on the fp32 masters and their copy back into the parameters, with no
+    host work in between (~700 launches of an update bound by the host become one replay). The update reads the
+    rollout storage, which the rollout fills in place, and runs the LSTM stepped (Policy.stepped_lstm: no host work
+    on the masks). `warmup` eager updates first (on a side stream, where the libraries set up their workspaces), then
+    the capture; each later call replays and returns the loss terms (one host synchronization, as update() has).
+    Installs itself as `trainer.update`; folds the observation statistics into kfuse's stem before each call, as the
+    policy's forward would (a replay runs no Python). Single process only: DistributedDataParallel's hooks are not captured. The
+    optimizer runs with capturable=True (its step count on the device)."""
+
+    def __init__(self, trainer: "PPOTrainer", warmup: int = 2):
+        if warmup < 1:
+            raise ValueError(f"GraphedUpdate needs at least one eager update before the capture, got {warmup}")
+        if trainer.device.type != "cuda":
+            raise ValueError(f"GraphedUpdate needs a trainer on a CUDA device, got {trainer.device}")
+        if trainer.ddp is not None:
+            raise ValueError("GraphedUpdate cannot capture DistributedDataParallel's all-reduce hooks: run the update "
+                             "eagerly with several processes")
+        self.trainer, self.warmup = trainer, warmup
+        trainer.policy.stepped_lstm = True
+        for group in trainer.optimizer.param_groups:
+            group["capturable"] = True
+        self.graph, self.stats, self.calls = None, None, 0
+        trainer.update = self
+
+    def __call__(self) -> dict:
+        # The rollout ends by updating the observation statistics: fold them into kfuse's stem before a replay reads
+        # it (host work; the eager update does it in the policy's forward).
+        self.trainer.policy.sync_input_normalization()
+        if self.graph is None and self.calls >= self.warmup:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.stats = self.trainer.update_tensors()
+            self.graph = graph
+        if self.graph is None:
+            self.calls += 1
+            main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                stats = self.trainer.update_tensors()
+            main.wait_stream(side)
+            return dict(zip(UPDATE_STATS, stats.tolist()))
+        self.graph.replay()
+        return dict(zip(UPDATE_STATS, self.stats.tolist()))
+
+
 def ppo_terms(logits, actions, old_logprobs):
     """The ratio of new to old action probabilities and the entropy of the new distribution, per sample."""
     logp = logits.log_softmax(-1)
@@ -407,7 +466,8 @@ class PPOTrainer:
     def rollout(self) -> None:
         s, pol = self.storage, self.policy
         pol.eval()
-        s.hidden0 = (self.hidden[0].clone(), self.hidden[1].clone())
+        s.hidden0[0].copy_(self.hidden[0])  # in place: a graph of the update reads these buffers
+        s.hidden0[1].copy_(self.hidden[1])
         s.masks[0] = s.masks[-1]
         for t in range(self.steps):
             s.frames[t], s.goals[t], s.prev_actions[t] = self.frames, self.goal, self.prev_action
@@ -424,6 +484,11 @@ class PPOTrainer:
         pol.obs_norm.update(s.frames)
 
     def update(self) -> dict:
+        """One PPO update over the rollout in storage; its mean loss terms."""
+        return dict(zip(UPDATE_STATS, self.update_tensors().tolist()))
+
+    def update_tensors(self) -> torch.Tensor:
+        """update() without its host synchronization: the mean loss terms as one device tensor (UPDATE_STATS)."""
         s, cfg, pol = self.storage, self.cfg, self.policy
         returns = compute_gae(s.rewards, s.values, s.masks, cfg.gamma, cfg.tau)
         adv = returns - s.values[:-1]
@@ -446,7 +511,7 @@ class PPOTrainer:
                 loss = -surrogate + cfg.value_coef * value_loss - cfg.entropy_coef * entropy
                 self._step(loss)
                 stats.append(torch.stack([loss.detach(), surrogate.detach(), value_loss.detach(), entropy.detach()]))
-        return dict(zip(("loss", "surrogate", "value_loss", "entropy"), torch.stack(stats).mean(0).tolist()))
+        return torch.stack(stats).mean(0)
 
     def _step(self, loss: torch.Tensor) -> None:
         for p in self.params:

@@ -98,3 +98,49 @@ def test_graphed_actor_follows_every_weight_and_statistics_change(encoder):
         small = _rollout_inputs(8, gen)
         torch.testing.assert_close(_flat(graphed(*small))[1], _flat(eager(*small))[1], rtol=0, atol=0)
         compare("a replay after an eager call of another shape", _rollout_inputs(128, gen))
+
+
+def _state(trainer):
+    """Every tensor an update changes (masters, parameters, Adam's state, the GradScaler's scale and tracker), and
+    copies of them: restoring copies them back in place, so that a captured graph still reads the same memory."""
+    opt = [t for st in trainer.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+    live = [*trainer.masters, *(p.data for p in trainer.params), *opt, trainer.scaler._scale,
+            trainer.scaler._growth_tracker]
+    return live, [t.detach().clone() for t in live]
+
+
+@pytest.mark.parametrize("encoder", ["kfuse", "torch"])
+def test_graphed_update_equals_the_eager_update_on_the_same_state(encoder):
+    """kfuse.rl.GraphedUpdate (the update as one CUDA graph) against the same trainer's eager update from the same
+    state, after two eager warm-up updates and the capture, on two fresh rollouts (the graph must read the storage
+    the rollout refilled in place): the loss terms to 1e-3 relative, the fp32 masters to 1e-2 of what the update
+    moved them by (the same kernels; fp16 rounding where cuBLAS or cuDNN pick another algorithm inside a capture).
+    The update must have moved them (so a replay that read stale storage or weights would show). Each rollout ends
+    by updating the observation statistics, so a replay that kept kfuse's old normalization fold would show too (the
+    eager reference folds the new one in its forward)."""
+    torch.manual_seed(0)
+    policy = rl.Policy(encoder=encoder, seed=6).cuda().half()
+    trainer = rl.PPOTrainer(policy, num_envs=16, steps=8, seed=6)
+    graphed = rl.GraphedUpdate(trainer, warmup=2)
+    assert trainer.update is graphed
+    for _ in range(2):  # eager warm-up updates
+        trainer.rollout()
+        trainer.update()
+    assert graphed.graph is None
+    for it in range(3):  # the capture, then replays
+        trainer.rollout()
+        live, saved = _state(trainer)
+        got = trainer.update()
+        assert graphed.graph is not None
+        masters_graph = torch.cat([m.detach().flatten() for m in trainer.masters])
+        for t, v in zip(live, saved):
+            t.copy_(v)
+        want = dict(zip(rl.UPDATE_STATS, trainer.update_tensors().tolist()))
+        masters_eager = torch.cat([m.detach().flatten() for m in trainer.masters])
+        before = torch.cat([v.flatten() for v in saved[: len(trainer.masters)]])
+        moved = (masters_eager - before).norm().item()
+        assert moved > 0, f"iteration {it}: the update did not move the weights"
+        for key in rl.UPDATE_STATS:
+            assert abs(got[key] - want[key]) <= 1e-3 * max(1.0, abs(want[key])), (it, key, got[key], want[key])
+        off = (masters_graph - masters_eager).norm().item()
+        assert off <= 1e-2 * moved, f"iteration {it}: masters off by {off:.2e} for a move of {moved:.2e}"

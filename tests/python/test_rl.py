@@ -94,14 +94,16 @@ def test_masked_lstm_over_episode_pieces_equals_stepping_it(steps):
     h0 = torch.randn(2, n, hid, dtype=torch.float64, requires_grad=True)
     c0 = torch.randn(2, n, hid, dtype=torch.float64, requires_grad=True)
     results = []
-    for fn in (rl.masked_lstm, _stepped_lstm):
+    stepped = lambda *args: rl.masked_lstm(*args, stepped=True)  # noqa: E731 (the form a CUDA graph holds)
+    for fn in (rl.masked_lstm, _stepped_lstm, stepped):
         o, (h, c) = fn(rnn, z, (h0, c0), masks, n)
         w = torch.randn_like(o, generator=torch.Generator().manual_seed(1))
         loss = (o * w).sum() + (h * 0.5).sum() + (c * 0.25).sum()
         grads = torch.autograd.grad(loss, [z, h0, c0, *rnn.parameters()])
         results.append((o, h, c, *grads))
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for other in results[1:]:
+        for got, want in zip(results[0], other):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("steps", [2, 7])
@@ -229,3 +231,30 @@ def test_graphed_actor_refuses_gradients_and_a_capture_without_warm_up():
         actor(*args)
     with pytest.raises(ValueError, match="warm-up"):
         rl.GraphedActor(rl.Actor(policy), warmup=0)
+
+
+def test_update_tensors_is_the_update_and_the_stepped_lstm_trains_alike():
+    """update() is update_tensors() read back; a policy whose update steps its LSTM (what GraphedUpdate runs) trains
+    like the packed one from the same seed (float32 on the CPU: other summation orders, 1e-5), and GraphedUpdate
+    refuses a trainer it cannot capture, by name."""
+    def run(stepped):
+        policy = rl.Policy(encoder="torch", seed=4)
+        policy.stepped_lstm = stepped
+        trainer = rl.PPOTrainer(policy, num_envs=3, steps=4, seed=4)
+        out = []
+        for _ in range(2):
+            trainer.rollout()
+            out.append(trainer.update())
+        return out, torch.cat([m.detach().flatten() for m in trainer.masters])
+
+    (packed, w_packed), (stepped, w_stepped) = run(False), run(True)
+    for a, b in zip(packed, stepped):
+        assert list(a) == list(rl.UPDATE_STATS)
+        for key in rl.UPDATE_STATS:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), key
+    torch.testing.assert_close(w_stepped, w_packed, rtol=1e-5, atol=1e-6)
+    cpu = rl.PPOTrainer(rl.Policy(encoder="torch", seed=0), num_envs=2, steps=2)
+    with pytest.raises(ValueError, match="CUDA"):
+        rl.GraphedUpdate(cpu)
+    with pytest.raises(ValueError, match="eager update"):
+        rl.GraphedUpdate(cpu, warmup=0)
