@@ -81,7 +81,7 @@ class _CudaTrainFunction(torch.autograd.Function):
         ctx.stash = _current_stash(ctx.module, ctx.entry, params, ctx.stash, x, ctx.out_shape, ctx.out_dtype, stream)
         dy = dy.to(ctx.out_dtype).contiguous()
         sizes = [p.numel() for p in params]
-        grads = torch.empty(sum(sizes), dtype=torch.float32, device=x.device)
+        grads = _gradient_buffer(ctx.entry, sum(sizes), params[0].dtype, x.device)
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[3] else None
         gpu.run_backward(ctx.spec, -1, ctx.stash, x.data_ptr(), dy.data_ptr(), grads.data_ptr(),
                          0 if dx is None else dx.data_ptr(), stream)
@@ -90,6 +90,20 @@ class _CudaTrainFunction(torch.autograd.Function):
         out = [g.view(p.shape) if need else None
                for g, p, need in zip(torch.split(grads, sizes), params, ctx.needs_input_grad[4:])]
         return (None, None, None, dx, *out)
+
+
+def _gradient_buffer(entry, count: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The float32 buffer a backward writes every gradient into. For fp16 / bf16 parameters the engine's own, the
+    same every step: only a cast leaves it, and its address is baked into the engine's gradient job table and its
+    captured backward graphs (a fresh buffer per step re-uploaded the table from the host, which a CUDA graph
+    captured by the caller cannot hold, and moved the graphs' keys). For float32 parameters the gradients are views
+    of the buffer, handed to autograd (and kept by it as .grad): a fresh one per step."""
+    if dtype == torch.float32:
+        return torch.empty(count, dtype=torch.float32, device=device)
+    buf = entry[6]
+    if buf is None or buf.numel() != count or buf.device != device:
+        buf = entry[6] = torch.empty(count, dtype=torch.float32, device=device)
+    return buf
 
 
 class _StagedStep:
@@ -503,8 +517,8 @@ class ResNetEncoder(reference.ResNetEncoder):
         return rows
 
     def _gpu_engine(self, device: torch.device, precision: torch.dtype, params: list[torch.Tensor]):
-        """[engine, bound pointers, input affine, tensors kept alive, staged copies, backward stage groups] for
-        (device, precision): a cached _C.EncoderGpu bound to the parameters' device memory (it follows every write to
+        """[engine, bound pointers, input affine, tensors kept alive, staged copies, backward stage groups, float32
+        gradient buffer] for (device, precision): a cached _C.EncoderGpu bound to the parameters' device memory (it follows every write to
         them by itself)."""
         key = (device.index, precision)
         engines = self.__dict__.setdefault("_gpu_engines", {})
@@ -513,7 +527,7 @@ class ResNetEncoder(reference.ResNetEncoder):
             name = "float16" if precision == torch.float16 else "bfloat16"
             options = self.__dict__.get("gpu_options") or {}
             entry = engines[key] = [_C.EncoderGpu(self.config, name, device.index or 0, options), None, _NO_AFFINE,
-                                    None, None, None]
+                                    None, None, None, None]
         if all(p.device == device for p in params):
             self._bind(entry, params)
         else:

@@ -306,7 +306,7 @@ class GraphedUpdate:
     the capture; each later call replays and returns the loss terms (one host synchronization, as update() has).
     Installs itself as `trainer.update`; folds the observation statistics into kfuse's stem before each call, as the
     policy's forward would (a replay runs no Python). Single process only: DistributedDataParallel's hooks are not captured. The
-    optimizer runs with capturable=True (its step count on the device)."""
+    optimizer runs with capturable=True (its step count on the device); its learning rate is the one at the capture."""
 
     def __init__(self, trainer: "PPOTrainer", warmup: int = 2):
         if warmup < 1:
@@ -316,6 +316,8 @@ class GraphedUpdate:
         if trainer.ddp is not None:
             raise ValueError("GraphedUpdate cannot capture DistributedDataParallel's all-reduce hooks: run the update "
                              "eagerly with several processes")
+        if not all(group.get("fused") for group in trainer.optimizer.param_groups):
+            raise ValueError("GraphedUpdate needs the trainer's fused Adam (its step counts live on the device)")
         self.trainer, self.warmup = trainer, warmup
         trainer.policy.stepped_lstm = True
         for group in trainer.optimizer.param_groups:
@@ -327,6 +329,7 @@ class GraphedUpdate:
         # The rollout ends by updating the observation statistics: fold them into kfuse's stem before a replay reads
         # it (host work; the eager update does it in the policy's forward).
         self.trainer.policy.sync_input_normalization()
+        self.trainer.policy.train()  # (host state the update sets, which a replay does not)
         if self.graph is None and self.calls >= self.warmup:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

@@ -115,9 +115,9 @@ def test_graphed_update_equals_the_eager_update_on_the_same_state(encoder):
     state, after two eager warm-up updates and the capture, on two fresh rollouts (the graph must read the storage
     the rollout refilled in place): the loss terms to 1e-3 relative, the fp32 masters to 1e-2 of what the update
     moved them by (the same kernels; fp16 rounding where cuBLAS or cuDNN pick another algorithm inside a capture).
-    The update must have moved them (so a replay that read stale storage or weights would show). Each rollout ends
-    by updating the observation statistics, so a replay that kept kfuse's old normalization fold would show too (the
-    eager reference folds the new one in its forward)."""
+    The update must have moved them. Before each graphed update the statistics and every weight move by far more
+    than the tolerances (a replay that read stale storage, weights or kfuse's old normalization fold would show);
+    the eager reference folds the statistics in its forward."""
     torch.manual_seed(0)
     policy = rl.Policy(encoder=encoder, seed=6).cuda().half()
     trainer = rl.PPOTrainer(policy, num_envs=16, steps=8, seed=6)
@@ -127,8 +127,19 @@ def test_graphed_update_equals_the_eager_update_on_the_same_state(encoder):
         trainer.rollout()
         trainer.update()
     assert graphed.graph is None
+    gen = torch.Generator(device="cuda").manual_seed(7)
     for it in range(3):  # the capture, then replays
         trainer.rollout()
+        # Large moves of what the graph must read afresh: the statistics (folded into kfuse's stem on the host) and
+        # every weight (masters and parameters together), so that a stale read changes the results by O(1).
+        norm = policy.obs_norm
+        norm.mean.add_(0.2 * (it + 1))
+        norm.var.mul_(2.0)
+        norm.version += 1
+        with torch.no_grad():
+            for m, p in zip(trainer.masters, trainer.params):
+                m.mul_(1 + 0.3 * torch.randn(m.shape, generator=gen, device="cuda"))
+                p.data.copy_(m)
         live, saved = _state(trainer)
         got = trainer.update()
         assert graphed.graph is not None
