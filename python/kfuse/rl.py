@@ -305,8 +305,9 @@ class GraphedUpdate:
     on the masks). `warmup` eager updates first (on a side stream, where the libraries set up their workspaces), then
     the capture; each later call replays and returns the loss terms (one host synchronization, as update() has).
     Installs itself as `trainer.update`; folds the observation statistics into kfuse's stem before each call, as the
-    policy's forward would (a replay runs no Python). Single process only: DistributedDataParallel's hooks are not captured. The
-    optimizer runs with capturable=True (its step count on the device); its learning rate is the one at the capture."""
+    policy's forward would (a replay runs no Python). Single process only: DistributedDataParallel's hooks are not
+    captured. The optimizer runs with capturable=True (its step count on the device); its learning rate is the one
+    at the capture."""
 
     def __init__(self, trainer: "PPOTrainer", warmup: int = 2):
         if warmup < 1:
