@@ -289,10 +289,11 @@ class ResNetEncoder(reference.ResNetEncoder):
         self._input_norm = None if mean is None else (mean, var)
         # Engines that run uint8 input get the new map now, not at their next call through this module: a replay of
         # a graph captured around the module runs no Python and would read the old one.
+        affine = self._uint8_affine()
         for entry in self.__dict__.get("_gpu_engines", {}).values():
-            if entry[2] != _NO_AFFINE and entry[2] != self._uint8_affine():
-                entry[0].set_input_affine(*self._uint8_affine())
-                entry[2] = self._uint8_affine()
+            if entry[2] != _NO_AFFINE and entry[2] != affine:
+                entry[0].set_input_affine(*affine)
+                entry[2] = affine
 
     def _uint8_affine(self) -> tuple[list[float], list[float]]:
         # Every uint8 call reads it: computed once per normalization (five small tensor ops, ~20 us of host time),

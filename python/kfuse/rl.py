@@ -232,6 +232,21 @@ class Actor(nn.Module):
         return action, logprob, value, hidden
 
 
+def _eager_on_side_stream(fn):
+    """fn() on a fresh side stream that waits for the caller's, which then waits for it: the eager calls before a
+    CUDA graph capture (where cuDNN and cuBLAS set up their workspaces off the capture's stream). Tensors of the
+    result, made there, are recorded on the caller's stream, which uses them."""
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = fn()
+    main.wait_stream(side)
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            t.record_stream(main)
+    return out
+
+
 class GraphedActor:
     """An Actor whose rollout step runs as one CUDA graph (what torch.compile's reduce-overhead mode does, without the
     compiler): a step of ~60 small kernels costs the host one replay instead of ~60 launches, and the batch-128 step
@@ -273,15 +288,7 @@ class GraphedActor:
             self._capture(flat, key)
         if self.graph is None or key != self.key:
             self.calls += 1
-            main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                out = self.actor(*args)
-            main.wait_stream(side)
-            action, logprob, value, (h, c) = out
-            for t in (action, logprob, value, h, c):  # made on the side stream, used on the caller's
-                t.record_stream(main)
-            return out
+            return _eager_on_side_stream(lambda: self.actor(*args))
         for buf, t in zip(self.static_in, flat):
             buf.copy_(t)
         self.graph.replay()
@@ -338,12 +345,7 @@ class GraphedUpdate:
             self.graph = graph
         if self.graph is None:
             self.calls += 1
-            main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                stats = self.trainer.update_tensors()
-            main.wait_stream(side)
-            return dict(zip(UPDATE_STATS, stats.tolist()))
+            return dict(zip(UPDATE_STATS, _eager_on_side_stream(self.trainer.update_tensors).tolist()))
         self.graph.replay()
         return dict(zip(UPDATE_STATS, self.stats.tolist()))
 

@@ -6,17 +6,11 @@ the addresses it was captured with and runs no Python at replay (skipped without
 import pytest
 import torch
 from conftest import captured_by_caller, rel_err
-from test_gpu_inference import TOL, reference64
+from test_gpu_inference import TOL, normalized_uint8, reference64
 
 import kfuse
 
 pytestmark = pytest.mark.skipif(not kfuse.cuda_available(), reason="needs a CUDA GPU and a CUDA build of kfuse")
-
-
-def _normalized(img: torch.Tensor, norm) -> torch.Tensor:
-    v = img[..., :3].permute(0, 3, 1, 2).double() / 255
-    mean, var = norm
-    return (v - mean.double().view(1, 3, 1, 1)) * torch.rsqrt(var.double().clamp_min(1e-2)).view(1, 3, 1, 1)
 
 
 def test_a_new_input_normalization_reaches_the_callers_graph(make_reference):
@@ -31,9 +25,9 @@ def test_a_new_input_normalization_reaches_the_callers_graph(make_reference):
     graph, y = captured_by_caller(enc, img.cuda())
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_err(y, reference64(ref, _normalized(img, first))) <= TOL, "before the change"
-    want = reference64(ref, _normalized(img, second))
-    assert rel_err(want, reference64(ref, _normalized(img, first))) > 10 * TOL, "the change would not show"
+    assert rel_err(y, reference64(ref, normalized_uint8(img, first))) <= TOL, "before the change"
+    want = reference64(ref, normalized_uint8(img, second))
+    assert rel_err(want, reference64(ref, normalized_uint8(img, first))) > 10 * TOL, "the change would not show"
     enc.set_input_normalization(*second)
     graph.replay()
     torch.cuda.synchronize()

@@ -22,6 +22,16 @@ def reference64(ref: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return r(x.double().cuda())
 
 
+def normalized_uint8(img: torch.Tensor, norm=None) -> torch.Tensor:
+    """Renderer frames (N, H, W, 3 or 4) uint8 as the encoder reads them, in float64 NCHW: x / 255, then with norm =
+    (mean, var) (x / 255 - mean) * rsqrt(max(var, 1e-2)) per channel (ResNetEncoder.set_input_normalization)."""
+    v = img[..., :3].permute(0, 3, 1, 2).double() / 255
+    if norm is None:
+        return v
+    mean, var = norm
+    return (v - mean.double().view(1, 3, 1, 1)) * torch.rsqrt(var.double().clamp_min(1e-2)).view(1, 3, 1, 1)
+
+
 @pytest.mark.parametrize("precision", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 7, 128, 300])
 @pytest.mark.parametrize("c", [1, 3, 11])
@@ -49,8 +59,7 @@ def test_input_layouts_and_dtypes(make_reference, layout):
         img = torch.randint(0, 256, (5, h, w, 4), generator=gen, dtype=torch.uint8)
         mean, var = torch.tensor([0.4, 0.5, 0.6]), torch.tensor([0.05, 0.005, 0.2])  # one var under the 1e-2 clamp
         enc.set_input_normalization(mean, var)
-        x_ref = (img[..., :3].permute(0, 3, 1, 2).double() / 255 - mean.double().view(1, 3, 1, 1)) * \
-            torch.rsqrt(var.double().clamp_min(1e-2)).view(1, 3, 1, 1)
+        x_ref = normalized_uint8(img, (mean, var))
         x = img.cuda()
     else:
         x_ref = torch.rand(5, 3, h, w, generator=gen, dtype=torch.float64)
@@ -81,11 +90,7 @@ def test_new_normalization_values_keep_the_captured_graphs_and_reach_them(make_r
     x = img.cuda()
 
     def want(norm):
-        v = img[..., :3].permute(0, 3, 1, 2).double() / 255
-        if norm is not None:
-            mean, var = norm
-            v = (v - mean.double().view(1, 3, 1, 1)) * torch.rsqrt(var.double().clamp_min(1e-2)).view(1, 3, 1, 1)
-        return reference64(ref, v)
+        return reference64(ref, normalized_uint8(img, norm))
 
     def run(norm, label):
         enc.set_input_normalization(*(norm if norm is not None else (None, None)))
@@ -112,7 +117,7 @@ def test_new_normalization_values_keep_the_captured_graphs_and_reach_them(make_r
     run(None, "normalization off")  # plain x / 255: still a map, so the graphs stay
     assert engine.graph_count == held, "normalization off: the graphs were recaptured"
     # A float input has no map (the graphs bake that): switching to it and back recaptures, each reading its own.
-    xf = img[..., :3].permute(0, 3, 1, 2).double() / 255
+    xf = normalized_uint8(img)
     enc.eval()
     with torch.no_grad():
         for _ in range(3):
@@ -375,8 +380,7 @@ def _fused_stem_inputs(kind: str, n: int, c: int, gen: torch.Generator):
     if kind == "nhwc-uint8-rgba":
         img = torch.randint(0, 256, (n, 64, 64, 4), generator=gen, dtype=torch.uint8)
         mean, var = torch.tensor([0.4, 0.5, 0.6]), torch.tensor([0.05, 0.005, 0.2])
-        x_ref = (img[..., :3].permute(0, 3, 1, 2).double() / 255 - mean.double().view(1, 3, 1, 1)) * \
-            torch.rsqrt(var.double().clamp_min(1e-2)).view(1, 3, 1, 1)
+        x_ref = normalized_uint8(img, (mean, var))
         return img.cuda().permute(0, 3, 1, 2)[:, :3], x_ref, (mean, var)  # the engine takes the NCHW view
     x_ref = torch.rand(n, c, 64, 64, generator=gen, dtype=torch.float64)
     if kind == "nchw-f32":
